@@ -1,0 +1,207 @@
+"""Argument checking for the chunked transforms: ``chunk_size``, ``in_axes``, ``out_axes``.
+
+Everything here runs before any tracing, so bad input fails with a message that names the
+argument (``args[1]['w']``, ``kwargs['b']``) and says what was expected.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+    "check_chunk_size",
+    "check_in_axes_spec",
+    "check_out_axes_spec",
+    "flat_in_axes",
+    "flat_out_axes",
+    "mapped_size",
+    "is_array_leaf",
+]
+
+
+def check_chunk_size(chunk_size: Any, *, allow_none: bool = True, where: str = "chunkop") -> int | None:
+    """Validate ``chunk_size``: ``None`` (when allowed) or a positive Python/NumPy integer."""
+    if chunk_size is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{where}: `chunk_size` is required and must be a positive int, got None.")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
+        raise TypeError(
+            f"{where}: `chunk_size` must be a positive int{' or None' if allow_none else ''}, "
+            f"got {chunk_size!r} of type {type(chunk_size).__name__}."
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"{where}: `chunk_size` must be a positive int, got {int(chunk_size)}.")
+    return int(chunk_size)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def _check_axis_leaves(spec: Any, name: str, where: str) -> None:
+    for leaf in jax.tree_util.tree_leaves(spec, is_leaf=_is_none):
+        if leaf is None:
+            continue
+        if isinstance(leaf, bool) or not isinstance(leaf, (int, np.integer)):
+            raise TypeError(
+                f"{where}: every leaf of `{name}` must be an int or None, got {leaf!r} "
+                f"of type {type(leaf).__name__} in {name}={spec!r}."
+            )
+
+
+def check_in_axes_spec(in_axes: Any, where: str = "chunkop.vmap") -> Any:
+    """Check the type of ``in_axes`` at wrap time; lists become tuples (as in ``jax.vmap``)."""
+    if isinstance(in_axes, list):
+        in_axes = tuple(in_axes)
+    if not (in_axes is None or isinstance(in_axes, (int, np.integer, tuple))) or isinstance(in_axes, bool):
+        raise TypeError(
+            f"{where}: `in_axes` must be an int, None, or a tuple/list with one entry per positional "
+            f"argument, got {in_axes!r} of type {type(in_axes).__name__}."
+        )
+    _check_axis_leaves(in_axes, "in_axes", where)
+    return in_axes
+
+
+def check_out_axes_spec(out_axes: Any, where: str = "chunkop.vmap") -> Any:
+    """Check that every leaf of ``out_axes`` is an int or None."""
+    _check_axis_leaves(out_axes, "out_axes", where)
+    return out_axes
+
+
+def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
+    """The leaves of ``prefix`` (None counts as a leaf) repeated over the leaves of ``tree``."""
+    result: list[Any] = []
+
+    def add(axis: Any, subtree: Any) -> None:
+        result.extend([axis] * len(jax.tree_util.tree_leaves(subtree)))
+
+    jax.tree_util.tree_map(add, prefix, tree, is_leaf=_is_none)
+    return result
+
+
+def is_array_leaf(x: Any) -> bool:
+    """Whether a leaf is array-like: a JAX/NumPy array, a NumPy scalar or a Python number."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def _ndim(x: Any) -> int:
+    return int(np.ndim(x)) if not isinstance(x, jax.Array) else x.ndim
+
+
+def flat_in_axes(
+    in_axes: Any, args: tuple, kwargs: dict, where: str = "chunkop.vmap"
+) -> tuple[list[Any], Any, list[int | None], list[str]]:
+    """Resolve ``in_axes`` against a call's arguments.
+
+    Returns:
+        ``(leaves, treedef, axes, paths)``: the leaves of ``(args, kwargs)``, their treedef,
+        each leaf's mapped axis (non-negative, or None) and a printable path per leaf.
+    """
+    if isinstance(in_axes, tuple) and len(in_axes) != len(args):
+        raise ValueError(
+            f"{where}: `in_axes` is a tuple of {len(in_axes)} entries, but the function was called "
+            f"with {len(args)} positional arguments; give one entry per positional argument "
+            f"(or a single int/None for all)."
+        )
+    try:
+        arg_axes = _broadcast_prefix(in_axes, args)
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: `in_axes` must be a tree prefix of the positional arguments, but "
+            f"in_axes={in_axes!r} does not match arguments of structure "
+            f"{jax.tree_util.tree_structure(args)}. Details: {e}"
+        ) from None
+    kwarg_axes = [0] * len(jax.tree_util.tree_leaves(kwargs))
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    leaves = [leaf for _, leaf in leaves_with_paths]
+    paths = []
+    for path, _ in leaves_with_paths:
+        head = "args" if path[0].idx == 0 else "kwargs"
+        paths.append(head + jax.tree_util.keystr(path[1:]))
+    axes: list[int | None] = []
+    for axis, leaf, path in zip(arg_axes + kwarg_axes, leaves, paths):
+        if axis is None:
+            axes.append(None)
+            continue
+        if not is_array_leaf(leaf):
+            raise TypeError(
+                f"{where}: argument {path} is mapped (axis {axis}) but is a "
+                f"{type(leaf).__name__}, not an array; map arrays only, or give it in_axes=None."
+            )
+        ndim = _ndim(leaf)
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"{where}: in_axes asks to map argument {path} along axis {axis}, but it has rank "
+                f"{ndim} (shape {tuple(np.shape(leaf))}); the axis must be in [{-ndim}, {ndim})."
+                + (" Pass in_axes=None for unmapped scalars." if ndim == 0 else "")
+            )
+        axes.append(operator.index(axis) % ndim)
+    return leaves, treedef, axes, paths
+
+
+def mapped_size(
+    leaves: Sequence[Any], axes: Sequence[int | None], paths: Sequence[str], axis_size: int | None,
+    where: str = "chunkop.vmap",
+) -> int:
+    """The common size of the mapped axis, with an error naming the arguments that disagree."""
+    first: tuple[str, int, int] | None = None
+    for leaf, axis, path in zip(leaves, axes, paths):
+        if axis is None:
+            continue
+        size = int(np.shape(leaf)[axis])
+        if first is None:
+            first = (path, axis, size)
+        elif size != first[2]:
+            raise ValueError(
+                f"{where}: mapped arguments have different sizes along the mapped axis: "
+                f"{first[0]} has size {first[2]} along axis {first[1]}, but {path} has size "
+                f"{size} along axis {axis}."
+            )
+    if first is None:
+        if axis_size is None:
+            raise ValueError(
+                f"{where}: no argument is mapped (all in_axes are None), so `axis_size` must be given."
+            )
+        return int(axis_size)
+    if axis_size is not None and int(axis_size) != first[2]:
+        raise ValueError(
+            f"{where}: `axis_size`={axis_size} does not match the mapped size {first[2]} of "
+            f"argument {first[0]} along axis {first[1]}."
+        )
+    return first[2]
+
+
+def flat_out_axes(out_axes: Any, out_tree: Any, where: str = "chunkop.vmap") -> list[int | None]:
+    """Broadcast ``out_axes`` to the leaves of a per-example output, normalising negatives.
+
+    ``out_tree`` holds per-example shapes (no mapped axis); an axis ``a`` indexes the output
+    with the mapped axis inserted, so it must lie in ``[-(rank + 1), rank + 1)``.
+    """
+    try:
+        axes = _broadcast_prefix(out_axes, out_tree)
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: `out_axes` must be a tree prefix of the function's output, but "
+            f"out_axes={out_axes!r} does not match an output of structure "
+            f"{jax.tree_util.tree_structure(out_tree)}. Details: {e}"
+        ) from None
+    leaves = jax.tree_util.tree_leaves(out_tree)
+    result: list[int | None] = []
+    for axis, leaf in zip(axes, leaves):
+        if axis is None:
+            result.append(None)
+            continue
+        ndim = len(leaf.shape) + 1  # with the mapped axis
+        if not -ndim <= axis < ndim:
+            raise ValueError(
+                f"{where}: out_axes={axis} is out of range for an output of per-example shape "
+                f"{tuple(leaf.shape)}; it must be in [{-ndim}, {ndim})."
+            )
+        result.append(axis % ndim)
+    return result
