@@ -1,0 +1,177 @@
+"""``chunkop.jacrev`` / ``chunkop.jacfwd``: Jacobians built a chunk of basis vectors at a time.
+
+``jax.jacrev`` pushes every output basis vector through the VJP at once (an ``m x m`` identity
+and ``m`` simultaneous backward passes); here the basis vectors are generated inside a
+:func:`chunkop.vmap` from their indices, so only ``chunk_size`` of them (and their backward
+passes) are live at a time. The primal is linearised once and shared by every chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from ._axes import check_chunk_size
+from ._vmap import vmap
+
+__all__ = ["jacrev", "jacfwd"]
+
+
+def _check_argnums(argnums: int | Sequence[int], nargs: int, where: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    for a in nums:
+        if isinstance(a, bool) or not isinstance(a, int) or not -nargs <= a < nargs:
+            raise ValueError(
+                f"{where}: `argnums`={argnums!r} must be int(s) indexing the {nargs} positional "
+                f"arguments the function was called with."
+            )
+    return tuple(a % nargs for a in nums)
+
+
+def _partial_args(fun: Callable, args: tuple, kwargs: dict, nums: tuple[int, ...]) -> Callable:
+    def f(*dyn: Any) -> Any:
+        full = list(args)
+        for i, d in zip(nums, dyn):
+            full[i] = d
+        return fun(*full, **kwargs)
+
+    return f
+
+
+def _basis(i: jax.Array, size: int, dtype: Any, unravel: Callable) -> Any:
+    return unravel(jnp.zeros(size, dtype).at[i].set(1))
+
+
+def _check_float(tree: Any, where: str, what: str) -> None:
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                f"{where}: differentiation requires float {what}, got dtype {jnp.result_type(leaf)}."
+            )
+
+
+def jacrev(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    chunk_size: int,
+    has_aux: bool = False,
+) -> Callable:
+    """``jax.jacrev`` that pulls back ``chunk_size`` output basis vectors at a time.
+
+    Args:
+        fun: function of pytrees of float arrays, returning a pytree of float arrays.
+        argnums: which positional argument(s) to differentiate (int or tuple of ints).
+        chunk_size: how many rows of the Jacobian are computed at once (a positive int).
+        has_aux: whether ``fun`` returns ``(output, aux)``.
+
+    Returns:
+        A function returning the Jacobian with ``jax.jacrev``'s structure (output tree of
+        argument trees, each leaf of shape ``out.shape + arg.shape``), plus ``aux`` if asked.
+
+    Example:
+        >>> import jax.numpy as jnp, chunkop
+        >>> chunkop.jacrev(jnp.sin, chunk_size=2)(jnp.zeros(3))
+        Array([[1., 0., 0.],
+               [0., 1., 0.],
+               [0., 0., 1.]], dtype=float32)
+    """
+    where = "chunkop.jacrev"
+    check_chunk_size(chunk_size, allow_none=False, where=where)
+
+    @functools.wraps(fun)
+    def jac(*args: Any, **kwargs: Any) -> Any:
+        nums = _check_argnums(argnums, len(args), where)
+        dyn = tuple(args[i] for i in nums)
+        _check_float(dyn, where, "arguments")
+        f = _partial_args(fun, args, kwargs, nums)
+        if has_aux:
+            out, pullback, aux = jax.vjp(f, *dyn, has_aux=True)
+        else:
+            out, pullback = jax.vjp(f, *dyn)
+        _check_float(out, where, "outputs")
+        flat_out, unravel = ravel_pytree(out)
+        m = flat_out.size
+        rows = vmap(
+            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)), chunk_size=chunk_size
+        )(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        blocks, offset = [], 0
+        for o in out_leaves:
+            blocks.append(
+                jax.tree_util.tree_map(
+                    lambda r, o=o, s=offset: r[s : s + o.size].reshape(o.shape + r.shape[1:]), rows
+                )
+            )
+            offset += o.size
+        blocks = [b[0] if isinstance(argnums, int) else b for b in blocks]
+        result = jax.tree_util.tree_unflatten(out_tree, blocks)
+        return (result, aux) if has_aux else result
+
+    return jac
+
+
+def jacfwd(
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    *,
+    chunk_size: int,
+    has_aux: bool = False,
+) -> Callable:
+    """``jax.jacfwd`` that pushes ``chunk_size`` input basis vectors forward at a time.
+
+    Args:
+        fun: function of pytrees of float arrays, returning a pytree of float arrays.
+        argnums: which positional argument(s) to differentiate (int or tuple of ints).
+        chunk_size: how many columns of the Jacobian are computed at once (a positive int).
+        has_aux: whether ``fun`` returns ``(output, aux)``.
+
+    Returns:
+        A function returning the Jacobian with ``jax.jacfwd``'s structure, plus ``aux`` if asked.
+
+    Example:
+        >>> import jax.numpy as jnp, chunkop
+        >>> chunkop.jacfwd(lambda x: x ** 2, chunk_size=2)(jnp.arange(3.0))
+        Array([[0., 0., 0.],
+               [0., 2., 0.],
+               [0., 0., 4.]], dtype=float32)
+    """
+    where = "chunkop.jacfwd"
+    check_chunk_size(chunk_size, allow_none=False, where=where)
+
+    @functools.wraps(fun)
+    def jac(*args: Any, **kwargs: Any) -> Any:
+        nums = _check_argnums(argnums, len(args), where)
+        dyn = tuple(args[i] for i in nums)
+        _check_float(dyn, where, "arguments")
+        f = _partial_args(fun, args, kwargs, nums)
+        if has_aux:
+            out, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
+        else:
+            out, pushforward = jax.linearize(f, *dyn)
+        flat_in, unravel = ravel_pytree(dyn)
+        n = flat_in.size
+        cols = vmap(
+            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)), chunk_size=chunk_size
+        )(jnp.arange(n))  # output tree; leaves (n, *out_leaf_shape)
+        in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
+
+        def split(c: jax.Array) -> Any:
+            c = jnp.moveaxis(c, 0, -1)  # (*out_shape, n)
+            parts, offset = [], 0
+            for leaf in in_leaves:
+                size = int(jnp.size(leaf))
+                parts.append(c[..., offset : offset + size].reshape(c.shape[:-1] + jnp.shape(leaf)))
+                offset += size
+            tree = jax.tree_util.tree_unflatten(in_tree, parts)
+            return tree[0] if isinstance(argnums, int) else tree
+
+        result = jax.tree_util.tree_map(split, cols)
+        return (result, aux) if has_aux else result
+
+    return jac
