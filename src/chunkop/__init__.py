@@ -1,9 +1,21 @@
 """chunkop: chunked, memory-bounded vmap and implicit chunked linear operators for JAX."""
 
+from . import _lineax  # noqa: F401  (registers RowOperator with lineax)
 from ._jacobian import jacfwd, jacrev
+from ._operator import RowOperator, TransposedRowOperator
 from ._reduce import mean, sum
 from ._vmap import map, vmap
 
 __version__ = "0.1.0"
 
-__all__ = ["vmap", "map", "sum", "mean", "jacrev", "jacfwd", "__version__"]
+__all__ = [
+    "vmap",
+    "map",
+    "sum",
+    "mean",
+    "jacrev",
+    "jacfwd",
+    "RowOperator",
+    "TransposedRowOperator",
+    "__version__",
+]

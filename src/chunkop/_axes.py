@@ -15,6 +15,7 @@ import numpy as np
 
 __all__ = [
     "check_chunk_size",
+    "check_axis_size",
     "check_in_axes_spec",
     "check_out_axes_spec",
     "flat_in_axes",
@@ -38,6 +39,20 @@ def check_chunk_size(chunk_size: Any, *, allow_none: bool = True, where: str = "
     if chunk_size <= 0:
         raise ValueError(f"{where}: `chunk_size` must be a positive int, got {int(chunk_size)}.")
     return int(chunk_size)
+
+
+def check_axis_size(axis_size: Any, where: str = "chunkop") -> int | None:
+    """Validate ``axis_size``: ``None`` or a non-negative Python/NumPy integer."""
+    if axis_size is None:
+        return None
+    if isinstance(axis_size, bool) or not isinstance(axis_size, (int, np.integer)):
+        raise TypeError(
+            f"{where}: `axis_size` must be a non-negative int or None, got {axis_size!r} of type "
+            f"{type(axis_size).__name__}."
+        )
+    if axis_size < 0:
+        raise ValueError(f"{where}: `axis_size` must be a non-negative int, got {int(axis_size)}.")
+    return int(axis_size)
 
 
 def _is_none(x: Any) -> bool:

@@ -7,7 +7,6 @@ gradient accumulation over micro-batches.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ._chunking import Remat, sum_chunks
-from ._vmap import _Chunked
+from ._vmap import _Chunked, _wrap
 
 __all__ = ["sum", "mean"]
 
@@ -65,7 +64,8 @@ class _Averaged(_Summed):
 
 
 def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat) -> Callable:
-    return functools.wraps(fun)(
+    return _wrap(
+        fun,
         cls(
             fun,
             in_axes,
@@ -74,7 +74,7 @@ def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_s
             axis_size=axis_size,
             spmd_axis_name=None,
             remat=remat,
-        )
+        ),
     )
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._axes import (
+    check_axis_size,
     check_chunk_size,
     check_in_axes_spec,
     check_out_axes_spec,
@@ -30,6 +31,16 @@ def _check_remat(remat: Any, where: str) -> Remat:
         f"{where}: `remat` must be True, False or a checkpoint policy such as "
         f"jax.checkpoint_policies.dots_saveable, got {remat!r}."
     )
+
+
+def _wrap(fun: Callable, wrapper: Any) -> Any:
+    """Give ``wrapper`` ``fun``'s name, docstring and ``__wrapped__``.
+
+    Unlike ``functools.wraps``, ``fun.__dict__`` is *not* copied: the wrapper is a ``_Chunked``
+    instance whose attributes (``fun``, ``in_axes``, ...) would otherwise be overwritten by
+    those of a wrapped ``_Chunked`` (nesting) or of any callable object with attributes.
+    """
+    return functools.update_wrapper(wrapper, fun, updated=())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -56,16 +67,30 @@ def _subjaxprs(value: Any):
             yield item.jaxpr
 
 
+def _refers_to_axis(eqn: Any, name: Hashable) -> bool:
+    """Whether one equation is a collective over axis ``name``.
+
+    Collectives carry a ``NamedAxisEffect`` (``psum``, ``pmax``, ``axis_index``, ``all_gather``
+    ...) or name the axis in an ``axis_name`` parameter (``ppermute`` has no effect). Other
+    parameters are not looked at: a ``jit`` whose ``name`` happens to equal the axis name, or a
+    ``reduce_sum`` over ``axes=(0,)`` with ``axis_name=0``, is not a collective.
+    """
+    for effect in getattr(eqn, "effects", ()):
+        if _mentions(getattr(effect, "name", None), name):
+            return True
+    return _mentions(eqn.params.get("axis_name"), name)
+
+
 def _uses_axis(jaxpr: Any, name: Hashable) -> str | None:
-    """The first primitive in ``jaxpr`` (recursively) that refers to axis ``name``, or None."""
+    """The first primitive in ``jaxpr`` (recursively) that is a collective over axis ``name``."""
     for eqn in jaxpr.eqns:
         for value in eqn.params.values():
-            if _mentions(value, name):
-                return eqn.primitive.name
             for sub in _subjaxprs(value):
                 found = _uses_axis(sub, name)
                 if found:
                     return found
+        if _refers_to_axis(eqn, name):
+            return eqn.primitive.name
     return None
 
 
@@ -94,8 +119,7 @@ class _Chunked:
         self.fun = fun
         self.in_axes = check_in_axes_spec(in_axes, self.where)
         self.chunk_size = check_chunk_size(chunk_size, where=self.where)
-        if axis_size is not None:
-            axis_size = check_chunk_size(axis_size, where=self.where) if axis_size else 0
+        axis_size = check_axis_size(axis_size, self.where)
         self.axis_name = axis_name
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
@@ -286,7 +310,8 @@ def vmap(
         >>> f(jnp.ones((10, 4)), jnp.ones((4, 2))).shape
         (10, 2)
     """
-    return functools.wraps(fun)(
+    return _wrap(
+        fun,
         _VMapped(
             fun,
             in_axes,
@@ -296,7 +321,7 @@ def vmap(
             axis_size=axis_size,
             spmd_axis_name=spmd_axis_name,
             remat=remat,
-        )
+        ),
     )
 
 

@@ -1,0 +1,262 @@
+"""``RowOperator``: an implicit linear operator whose output rows are computed chunk by chunk."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+
+from . import _rows
+from ._axes import check_chunk_size
+
+__all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
+
+
+def _fmt(structs: Any) -> str:
+    return str(jax.tree_util.tree_map(lambda s: f"{jnp.dtype(s.dtype).name}{list(s.shape)}", structs))
+
+
+def _as_struct_tree(in_structure: Any) -> tuple[tuple, Any]:
+    def to_struct(s: Any) -> jax.ShapeDtypeStruct:
+        if not hasattr(s, "shape") or not hasattr(s, "dtype"):
+            raise TypeError(
+                f"RowOperator: `in_structure` leaves must be jax.ShapeDtypeStruct (or arrays), got {s!r}."
+            )
+        if not jnp.issubdtype(s.dtype, jnp.inexact):
+            raise TypeError(f"RowOperator: `in_structure` must describe float arrays, got dtype {s.dtype}.")
+        return jax.ShapeDtypeStruct(tuple(s.shape), jnp.dtype(s.dtype))
+
+    leaves, tree = jax.tree_util.tree_flatten(jax.tree_util.tree_map(to_struct, in_structure))
+    return tuple(leaves), tree
+
+
+def _check_rows(rows: Any) -> int:
+    leaves_with_paths = jax.tree_util.tree_flatten_with_path(rows)[0]
+    if not leaves_with_paths:
+        raise ValueError("RowOperator: `rows` must be a pytree with at least one array leaf.")
+    first = None
+    for path, leaf in leaves_with_paths:
+        name = "rows" + jax.tree_util.keystr(path)
+        if not hasattr(leaf, "shape") or len(leaf.shape) == 0:
+            raise ValueError(
+                f"RowOperator: every leaf of `rows` needs a leading row axis; {name} is "
+                f"{type(leaf).__name__} of shape {getattr(leaf, 'shape', ())}."
+            )
+        if first is None:
+            first = (name, leaf.shape[0])
+        elif leaf.shape[0] != first[1]:
+            raise ValueError(
+                f"RowOperator: all leaves of `rows` must share the leading (row) axis size: "
+                f"{first[0]} has {first[1]} rows but {name} has {leaf.shape[0]}."
+            )
+    return first[1]
+
+
+class AbstractRowOperator(lx.AbstractLinearOperator):
+    """Shared parts of :class:`RowOperator` and its transpose (not for direct use).
+
+    Subclasses provide ``rows`` (per-row data), ``spec`` (static: ``row_fn``, chunk size,
+    ``x``'s structure) and ``tags``.
+    """
+
+    @property
+    def n_rows(self) -> int:
+        return jax.tree_util.tree_leaves(self.rows)[0].shape[0]
+
+    @property
+    def row_fn(self) -> Callable:
+        return self.spec.row_fn
+
+    @property
+    def chunk_size(self) -> int:
+        return self.spec.chunk_size
+
+    def _x_structure(self) -> Any:
+        return self.spec.in_structure()
+
+    def _y_structure(self) -> Any:
+        row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.rows)
+        per_row = jax.eval_shape(self.spec.row_fn, row0, self._x_structure())
+        return jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct((self.n_rows,) + tuple(s.shape), s.dtype), per_row
+        )
+
+    @staticmethod
+    def _check_vector(vector: Any, expected: Any, what: str) -> None:
+        got = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), vector)
+        ok = jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected) and all(
+            g.shape == e.shape and g.dtype == e.dtype
+            for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected))
+        )
+        if not ok:
+            raise ValueError(
+                f"{what}: the input does not match the operator's input structure: expected "
+                f"{_fmt(expected)}, got {_fmt(got)}."
+            )
+
+    def as_matrix(self) -> jax.Array:
+        """The dense ``(out_size, in_size)`` matrix, materialised one chunk of rows at a time.
+
+        Returns:
+            The matrix whose column ``j`` is ``self.mv`` of the ``j``-th basis vector (inputs
+            and outputs flattened in ``jax.flatten_util.ravel_pytree`` order).
+        """
+        return _dense(self)
+
+
+class RowOperator(AbstractRowOperator):
+    """A linear operator ``x -> [row_fn(row_i, x) for each row i]``, computed chunk by chunk.
+
+    ``row_fn(row, x)`` must be linear in ``x`` (it may gather, e.g. ``x[row["idx"]]``, and compute
+    non-linear weights from the row's data). ``rows`` is a pytree of arrays sharing a leading
+    axis of ``n_rows``; its float leaves are differentiable. Nothing of size
+    ``n_rows x row_length`` is ever materialised: the matvec, the transpose and all their
+    derivatives are scans over chunks of ``chunk_size`` rows that recompute each chunk's
+    weights (see the design note in ``docs/design.md``).
+
+    It is a ``lineax.AbstractLinearOperator`` (an equinox Module): ``mv``, ``T``/``transpose``,
+    ``as_matrix``, ``in_structure``, ``out_structure`` and the lineax queries work, so it can be
+    passed to ``lineax.linear_solve`` (e.g. ``lineax.LSMR``, or ``lineax.Normal(lineax.CG(...))``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, chunkop
+        >>> x_struct = jax.ShapeDtypeStruct((5, 3), jnp.float32)
+        >>> rows = {"idx": jnp.array([0, 4, 2, 2]), "scale": jnp.array([1.0, 2.0, 0.5, 3.0])}
+        >>> row_fn = lambda row, x: row["scale"] * jnp.sum(x[row["idx"]])
+        >>> A = chunkop.RowOperator(row_fn, rows, x_struct, chunk_size=2)
+        >>> A.mv(jnp.ones((5, 3)))
+        Array([3. , 6. , 1.5, 9. ], dtype=float32)
+        >>> A.T.mv(jnp.ones(4)).shape
+        (5, 3)
+    """
+
+    rows: Any
+    spec: _rows.Spec = eqx.field(static=True)
+    tags: frozenset = eqx.field(static=True)
+
+    def __init__(
+        self,
+        row_fn: Callable[[Any, Any], Any],
+        rows: Any,
+        in_structure: Any,
+        *,
+        chunk_size: int,
+        tags: object | Iterable[object] = (),
+    ) -> None:
+        """Args:
+        row_fn: ``row_fn(row, x) -> y_row``, linear in ``x``; ``row`` is one slice of ``rows``.
+        rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
+        in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
+        chunk_size: number of rows computed at once (a positive int).
+        tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
+        """
+        if not callable(row_fn):
+            raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
+        chunk_size = check_chunk_size(chunk_size, allow_none=False, where="RowOperator")
+        _check_rows(rows)
+        in_leaves, in_tree = _as_struct_tree(in_structure)
+        self.rows = rows
+        self.spec = _rows.Spec(row_fn, chunk_size, in_leaves, in_tree)
+        self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
+
+    def mv(self, vector: Any) -> Any:
+        """``A x``: rows stacked along a leading axis of ``n_rows``.
+
+        Args:
+            vector: a pytree matching ``in_structure()``.
+
+        Returns:
+            A pytree matching ``out_structure()``.
+        """
+        self._check_vector(vector, self._x_structure(), "RowOperator.mv")
+        return _rows.apply(self.spec, self.rows, vector)
+
+    def transpose(self) -> TransposedRowOperator:
+        """The transpose ``A^T`` (its own chunked kernel); ``A.T.T`` is ``A``."""
+        return TransposedRowOperator(self)
+
+    def in_structure(self) -> Any:
+        return self._x_structure()
+
+    def out_structure(self) -> Any:
+        return self._y_structure()
+
+
+class TransposedRowOperator(AbstractRowOperator):
+    """``A^T`` for a :class:`RowOperator` ``A``: ``y -> sum_i row_fn(row_i, .)^T y_i``.
+
+    Built by ``A.T``; its ``mv`` is a scan over chunks of rows, each chunk recomputing its
+    weights and accumulating its ``jax.linear_transpose`` into the ``x`` space.
+    """
+
+    operator: RowOperator
+
+    @property
+    def rows(self) -> Any:
+        return self.operator.rows
+
+    @property
+    def spec(self) -> _rows.Spec:
+        return self.operator.spec
+
+    @property
+    def tags(self) -> frozenset:
+        return lx.transpose_tags(self.operator.tags)
+
+    def mv(self, vector: Any) -> Any:
+        """``A^T y``.
+
+        Args:
+            vector: a pytree matching ``in_structure()`` (the original operator's output).
+
+        Returns:
+            A pytree matching ``out_structure()`` (the original operator's input).
+        """
+        self._check_vector(vector, self._y_structure(), "RowOperator.T.mv")
+        return _rows.apply_transpose(self.spec, self.rows, vector)
+
+    def transpose(self) -> RowOperator:
+        return self.operator
+
+    def in_structure(self) -> Any:
+        return self._y_structure()
+
+    def out_structure(self) -> Any:
+        return self._x_structure()
+
+
+def _dense(op: AbstractRowOperator) -> jax.Array:
+    """Chunked dense materialisation (used by ``as_matrix``)."""
+    from jax.flatten_util import ravel_pytree
+
+    from ._vmap import vmap
+
+    base = op if isinstance(op, RowOperator) else op.operator
+    x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), base.in_structure())
+    flat_x, unravel_x = ravel_pytree(x0)
+
+    def row_matrix(row: Any) -> jax.Array:
+        f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]  # noqa: E731
+        return jax.jacrev(f)(flat_x)  # (row_out_size, in_size); exact: f is linear
+
+    blocks = vmap(row_matrix, chunk_size=base.chunk_size)(base.rows)
+    if jax.tree_util.tree_structure(base.out_structure()).num_leaves != 1:
+        # rows' outputs are pytrees: reorder from row-major blocks to ravel_pytree's leaf order
+        mats = []
+        per_row = jax.tree_util.tree_leaves(
+            jax.eval_shape(base.row_fn, jax.tree_util.tree_map(lambda a: a[0], base.rows), x0)
+        )
+        offset = 0
+        for leaf in per_row:
+            size = int(np.prod(leaf.shape))
+            mats.append(blocks[:, offset : offset + size, :].reshape(-1, flat_x.size))
+            offset += size
+        matrix = jnp.concatenate(mats, axis=0)
+    else:
+        matrix = blocks.reshape(-1, flat_x.size)
+    return matrix if op is base else matrix.T
