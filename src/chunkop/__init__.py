@@ -1,9 +1,12 @@
 """chunkop: chunked, memory-bounded vmap and implicit chunked linear operators for JAX."""
 
 from . import _lineax  # noqa: F401  (registers RowOperator with lineax)
+from ._checks import check_linear
+from ._gram import gram_diagonal
 from ._jacobian import jacfwd, jacrev
 from ._operator import RowOperator, TransposedRowOperator
 from ._reduce import mean, sum
+from ._scipy import to_scipy
 from ._vmap import map, vmap
 
 __version__ = "0.1.0"
@@ -17,5 +20,8 @@ __all__ = [
     "jacfwd",
     "RowOperator",
     "TransposedRowOperator",
+    "check_linear",
+    "gram_diagonal",
+    "to_scipy",
     "__version__",
 ]

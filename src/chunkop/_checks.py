@@ -1,0 +1,116 @@
+"""``chunkop.check_linear``: catch a ``row_fn`` that is not linear in ``x``.
+
+``RowOperator`` trusts ``row_fn`` to be linear in ``x`` (its transpose and derivative rules rely
+on it). A non-linear ``row_fn`` (an ``exp(x)``, an ``x + 1``, an ``x ** 2``...) would give a
+silently wrong transpose, so check new operators once on random vectors.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._operator import AbstractRowOperator
+
+__all__ = ["check_linear"]
+
+
+@jax.jit
+def _mv(operator: Any, x: Any) -> Any:
+    return operator.mv(x)
+
+
+@jax.jit
+def _rmv(operator: Any, y: Any) -> Any:
+    return operator.T.mv(y)
+
+
+def _random_like(key: jax.Array, structure: Any) -> Any:
+    leaves, tree = jax.tree_util.tree_flatten(structure)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    return jax.tree_util.tree_unflatten(
+        tree, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
+    )
+
+
+def _vdot(a: Any, b: Any) -> jax.Array:
+    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _norm(a: Any) -> jax.Array:
+    return jnp.sqrt(sum(jnp.sum(jnp.abs(x) ** 2) for x in jax.tree_util.tree_leaves(a)))
+
+
+def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None, rtol: float | None = None) -> dict:
+    """Check numerically that ``operator`` is linear and that its transpose is its adjoint.
+
+    Three tests on random vectors ``x1, x2`` (in the input space) and ``y`` (output space):
+    ``A(0) == 0``; ``A(a x1 + b x2) == a A(x1) + b A(x2)``; ``<A x1, y> == <x1, A^T y>``.
+
+    Args:
+        operator: a :class:`chunkop.RowOperator` (or its transpose).
+        key: PRNG key for the random vectors (default ``jax.random.key(0)``).
+        rtol: relative tolerance (default ``1000 * eps`` of the operator's dtype).
+
+    Returns:
+        A dict of the relative errors measured (``"zero"``, ``"superposition"``, ``"adjoint"``).
+
+    Raises:
+        ValueError: naming the failed test and its error, e.g. when ``row_fn`` is not linear in ``x``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, chunkop
+        >>> rows = {"i": jnp.arange(4) % 3}
+        >>> bad = chunkop.RowOperator(lambda r, x: jnp.exp(x[r["i"]]), rows,
+        ...                           jax.ShapeDtypeStruct((3,), jnp.float32), chunk_size=2)
+        >>> chunkop.check_linear(bad)
+        Traceback (most recent call last):
+        ...
+        ValueError: check_linear: the operator is not linear in x: A(0) = ...
+    """
+    key = jax.random.key(0) if key is None else key
+    in_struct, out_struct = operator.in_structure(), operator.out_structure()
+    dtype = jnp.result_type(*jax.tree_util.tree_leaves(in_struct))
+    rtol = float(1000 * jnp.finfo(dtype).eps) if rtol is None else rtol
+    k1, k2, k3 = jax.random.split(key, 3)
+    x1, x2, y = _random_like(k1, in_struct), _random_like(k2, in_struct), _random_like(k3, out_struct)
+    mv = functools.partial(_mv, operator)
+    a, b = 0.7, -1.3
+    ax1, ax2 = mv(x1), mv(x2)
+    scale = _norm(ax1) + _norm(ax2) + jnp.finfo(dtype).tiny
+    zero = jax.tree_util.tree_map(jnp.zeros_like, x1)
+    errors = {
+        "zero": float(_norm(mv(zero)) / scale),
+        "superposition": float(
+            _norm(
+                jax.tree_util.tree_map(
+                    lambda m, p, q: m - (a * p + b * q),
+                    mv(jax.tree_util.tree_map(lambda p, q: a * p + b * q, x1, x2)),
+                    ax1,
+                    ax2,
+                )
+            )
+            / scale
+        ),
+    }
+    if errors["zero"] > rtol:
+        raise ValueError(
+            f"check_linear: the operator is not linear in x: A(0) = {errors['zero']:.3g} x |A x| "
+            f"is not 0 (an affine or non-linear row_fn?)."
+        )
+    if errors["superposition"] > rtol:
+        raise ValueError(
+            f"check_linear: the operator is not linear in x: A(a x1 + b x2) differs from "
+            f"a A(x1) + b A(x2) by {errors['superposition']:.3g} (relative; tolerance {rtol:.3g})."
+        )
+    lhs, rhs = _vdot(ax1, y), _vdot(x1, _rmv(operator, y))
+    errors["adjoint"] = float(jnp.abs(lhs - rhs) / (jnp.abs(lhs) + jnp.abs(rhs) + jnp.finfo(dtype).tiny))
+    if errors["adjoint"] > rtol:
+        raise ValueError(
+            f"check_linear: <A x, y> = {float(lhs):.6g} but <x, A^T y> = {float(rhs):.6g} "
+            f"(relative error {errors['adjoint']:.3g}, tolerance {rtol:.3g})."
+        )
+    return errors

@@ -1,0 +1,443 @@
+"""``chunkop.vmap`` / ``chunkop.map`` give the same values as ``jax.vmap`` / ``jax.lax.map``.
+
+The mapped axis has N = 8 elements; the chunk sizes cover: no chunking (None), a chunk that
+does not divide N (3: two full chunks plus a remainder of 2), one that does (4), and
+chunk_size == N and > N (both exactly ``jax.vmap``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_tree_allclose, primitive_names
+
+import chunkop
+
+N = 8
+CHUNKS = [None, 3, 4, N]  # chunk_size > N: see test_chunking_engages_only_below_n
+CHUNKED = [3, 4]  # chunk sizes that really chunk (scan + maybe remainder)
+
+
+def _rand(*shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).normal(size=shape).astype(dtype)
+
+
+def check(fun, args, kwargs=None, *, chunk_size, rtol=1e-5, atol=1e-5, **vmap_kw):
+    kwargs = kwargs or {}
+    expected = jax.vmap(fun, **vmap_kw)(*args, **kwargs)
+    actual = chunkop.vmap(fun, chunk_size=chunk_size, **vmap_kw)(*args, **kwargs)
+    assert_tree_allclose(actual, expected, rtol=rtol, atol=atol)
+    return actual
+
+
+# ----------------------------------------------------------------------------------------------
+# in_axes / out_axes / kwargs / axis_size against jax.vmap.
+
+X = _rand(N, 5, seed=1)
+W = _rand(5, 3, seed=2)
+XT = _rand(5, N, seed=3)  # mapped along axis 1 / -1
+X3 = _rand(2, 3, N, seed=4)  # mapped along axis 2 / -1
+
+CASES = {
+    "int_axes": (lambda x, y: jnp.tanh(x) * y.sum(), (X, XT.T), None, dict(in_axes=0)),
+    "axis_1": (lambda x: jnp.cumsum(x) ** 2, (XT,), None, dict(in_axes=1)),
+    "tuple_with_none": (lambda x, w: jnp.sin(x @ w), (X, W), None, dict(in_axes=(0, None))),
+    "list_axes": (lambda x, w: jnp.sin(x @ w), (X, W), None, dict(in_axes=[0, None])),
+    "negative_axes": (lambda a, b: a.sum() * b, (XT, X3), None, dict(in_axes=(-1, -1))),
+    "rank3_axis2": (lambda a: a @ a.T, (X3,), None, dict(in_axes=2)),
+    "dict_prefix_with_none": (
+        lambda d, v: d["a"] @ d["w"] + v.sum(),
+        ({"a": X, "w": W}, XT),
+        None,
+        dict(in_axes=({"a": 0, "w": None}, 1)),
+    ),
+    "nested_prefix": (
+        lambda t: t[0] * t[1]["s"] + t[1]["v"].sum(),
+        ((X, {"s": np.float32(2.0), "v": XT}),),
+        None,
+        dict(in_axes=((0, {"s": None, "v": -1}),)),
+    ),
+    "kwargs_mapped_axis0": (
+        lambda x, *, scale, shift: x * scale + shift,
+        (X,),
+        {"scale": _rand(N, seed=5)[:, None], "shift": _rand(N, 5, seed=6)},
+        dict(),
+    ),
+    "kwargs_with_tuple_in_axes": (
+        lambda w, x, bias: x @ w + bias,
+        (W, X),
+        {"bias": _rand(N, 3, seed=7)},
+        dict(in_axes=(None, 0)),
+    ),
+    "out_axes_tree": (
+        lambda x: {"a": jnp.outer(x, x), "b": (x.sum(), x[:2] * 2)},
+        (X,),
+        None,
+        dict(out_axes={"a": 1, "b": (0, -1)}),
+    ),
+    "out_axes_negative": (lambda x: jnp.outer(x, x[:3]), (X,), None, dict(out_axes=-1)),
+    "out_axes_minus_rank": (lambda x: jnp.outer(x, x[:3]), (X,), None, dict(out_axes=-3)),
+    "out_axes_none_unmapped": (
+        lambda x, w: (x @ w, w.sum(0), jnp.float32(3.0)),
+        (X, W),
+        None,
+        dict(in_axes=(0, None), out_axes=(0, None, None)),
+    ),
+    "out_axes_none_dict_leaf": (
+        lambda x, w: {"y": x @ w, "c": {"w2": w * 2, "k": 4}},
+        (X, W),
+        None,
+        dict(in_axes=(0, None), out_axes={"y": 1, "c": None}),
+    ),
+    "out_python_scalar_unmapped": (
+        lambda x: (x * 2, 1.0),
+        (X,),
+        None,
+        dict(out_axes=(0, None)),
+    ),
+    "axis_size_no_mapped_args": (
+        lambda w: jnp.tanh(w) * 2,
+        (W,),
+        None,
+        dict(in_axes=None, axis_size=N),
+    ),
+    "axis_size_matching": (lambda x: x * 2, (X,), None, dict(axis_size=N)),
+    "output_dtypes": (
+        lambda x: (
+            (x * 10).astype(jnp.int32),
+            x > 0,
+            x.astype(jnp.complex64) * (1 + 2j),
+            (x * 10).astype(jnp.uint8),
+            jnp.float16(1) * x,
+        ),
+        (X,),
+        None,
+        dict(),
+    ),
+    "int_and_bool_inputs": (
+        lambda i, b: jnp.where(b, i * 2, -i),
+        (np.arange(N * 3, dtype=np.int32).reshape(N, 3), (np.arange(N * 3) % 3 == 0).reshape(N, 3)),
+        None,
+        dict(),
+    ),
+    "complex_inputs": (
+        lambda z: jnp.abs(z) + z.conj() * 1j,
+        (X.astype(np.complex64) + 1j * XT.T.astype(np.complex64),),
+        None,
+        dict(),
+    ),
+    "none_in_output": (lambda x: (x * 2, None, {"a": x.sum()}), (X,), None, dict()),
+    "empty_output": (lambda x: (), (X,), None, dict()),
+    "numpy_inputs": (lambda x, w: x @ w, (np.asarray(X, np.float64), W), None, dict(in_axes=(0, None))),
+    "python_scalar_unmapped": (lambda x, s: x * s, (X, 3.0), None, dict(in_axes=(0, None))),
+    "none_argument": (lambda x, nothing: x * 2, (X, None), None, dict(in_axes=(0, None))),
+}
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_jax_vmap(case, chunk_size):
+    fun, args, kwargs, vmap_kw = CASES[case]
+    check(fun, args, kwargs, chunk_size=chunk_size, **vmap_kw)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 5, 7])
+def test_more_chunk_sizes(chunk_size):
+    """Chunk sizes 1 (every element its own chunk), and more remainders (8 % 5, 8 % 7)."""
+    fun, args, _, vmap_kw = CASES["dict_prefix_with_none"]
+    check(fun, args, chunk_size=chunk_size, **vmap_kw)
+    fun, args, _, vmap_kw = CASES["out_axes_tree"]
+    check(fun, args, chunk_size=chunk_size, **vmap_kw)
+
+
+def test_numpy_integer_chunk_size():
+    check(lambda x: x * 2, (X,), chunk_size=np.int64(3))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3, N, N + 3])
+def test_chunking_engages_only_below_n(chunk_size):
+    """chunk_size < N runs a scan; chunk_size None or >= N is a plain vmap (no scan)."""
+    fun, args, _, vmap_kw = CASES["dict_prefix_with_none"]
+    f = chunkop.vmap(fun, chunk_size=chunk_size, **vmap_kw)
+    prims = primitive_names(jax.make_jaxpr(f)(*args))
+    assert ("scan" in prims) == (chunk_size is not None and chunk_size < N)
+    assert_tree_allclose(f(*args), jax.vmap(fun, **vmap_kw)(*args))
+
+
+def test_identity_map_is_exact_with_remainder():
+    """No row is dropped, duplicated or re-read: the identity map returns its input bit for bit."""
+    x = np.arange(N * 5 * 2, dtype=np.float32).reshape(2, N, 5)
+    for cs in [1, 3, 5, 7]:
+        np.testing.assert_array_equal(chunkop.vmap(lambda r: r, in_axes=1, out_axes=1, chunk_size=cs)(x), x)
+        np.testing.assert_array_equal(chunkop.vmap(lambda r: r, in_axes=1, out_axes=0, chunk_size=cs)(x),
+                                      np.moveaxis(x, 1, 0))
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_out_axes_none_for_varying_output_errors_like_jax(chunk_size):
+    fun = lambda x, w: (x @ w, x.sum())  # noqa: E731 - the second output varies over the axis
+    with pytest.raises(ValueError, match="got axis spec None but output was batched") as ref:
+        jax.vmap(fun, in_axes=(0, None), out_axes=(0, None))(X, W)
+    with pytest.raises(ValueError, match="got axis spec None but output was batched") as got:
+        chunkop.vmap(fun, in_axes=(0, None), out_axes=(0, None), chunk_size=chunk_size)(X, W)
+    assert str(got.value) == str(ref.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# PRNG keys in and out.
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_raw_uint32_keys_mapped(chunk_size):
+    keys = jax.random.split(jax.random.PRNGKey(0), N)  # (N, 2) uint32
+    check(lambda k: (jax.random.normal(k, (3,)), jax.random.split(k)), (keys,), chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_typed_keys_mapped(chunk_size):
+    keys = jax.random.split(jax.random.key(0), N)  # (N,) key<fry>
+    fun = lambda k, s: (jax.random.normal(k, (3,)) * s, jax.random.split(k, 3), jax.random.key_data(k))  # noqa: E731
+    out = check(fun, (keys, 2.0), chunk_size=chunk_size, in_axes=(0, None))
+    assert jnp.issubdtype(out[1].dtype, jax.dtypes.prng_key)
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_typed_keys_mapped_along_axis_1_and_out_axes(chunk_size):
+    keys = jax.random.split(jax.random.key(1), (2, N))
+    fun = lambda k: (jax.random.uniform(k[0], (4,)) + jax.random.uniform(k[1]), jax.random.split(k[1], 3))  # noqa: E731
+    check(fun, (keys,), chunk_size=chunk_size, in_axes=1, out_axes=(1, -1))
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_unmapped_key_output(chunk_size):
+    fun = lambda x, k: (x * jax.random.normal(k), jax.random.fold_in(k, 1))  # noqa: E731
+    check(fun, (X, jax.random.key(3)), chunk_size=chunk_size, in_axes=(0, None), out_axes=(0, None))
+
+
+# ----------------------------------------------------------------------------------------------
+# Axis size 0.
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_axis_size_zero_mapped(chunk_size):
+    check(lambda x, w: (x @ w, x.sum()), (np.zeros((0, 5), np.float32), W), chunk_size=chunk_size, in_axes=(0, None))
+    check(lambda x: x.sum(), (np.zeros((3, 0), np.float32),), chunk_size=chunk_size, in_axes=1)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3])
+def test_axis_size_zero_unmapped(chunk_size):
+    check(lambda w: w * 2, (W,), chunk_size=chunk_size, in_axes=None, axis_size=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-array arguments that are not mapped.
+
+
+class _Scale:
+    """An unhashable non-array argument (``__eq__`` without ``__hash__``)."""
+
+    def __init__(self, s):
+        self.s = s
+
+    def __eq__(self, other):
+        return isinstance(other, _Scale) and other.s == self.s
+
+    __hash__ = None
+
+
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_static_non_array_arguments(chunk_size):
+    fun = lambda x, name, obj: x * len(name) * obj.s  # noqa: E731
+    expected = jax.vmap(fun, in_axes=(0, None, None))(X, "abc", _Scale(2.0))
+    f = chunkop.vmap(fun, in_axes=(0, None, None), chunk_size=chunk_size)
+    assert_tree_allclose(f(X, "abc", _Scale(2.0)), expected)
+    # A different static value must not hit a stale cache entry.
+    assert_tree_allclose(f(X, "abcd", _Scale(2.0)), expected * 4 / 3)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 4])
+def test_cache_distinguishes_signatures(chunk_size):
+    """One wrapper called with different shapes / dtypes / in-axis sizes gives fresh results."""
+    f = chunkop.vmap(lambda x: x * 2, chunk_size=chunk_size)
+    for x in [X, X[:7], X[:, :2], X.astype(np.int32), _rand(N + 5, 5)]:
+        assert_tree_allclose(f(x), jax.vmap(lambda x: x * 2)(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Nesting.
+
+
+@pytest.mark.parametrize("outer_cs", [None, 2, 3])
+@pytest.mark.parametrize("inner_cs", [None, 2, 4])
+def test_nested_chunked_in_chunked(outer_cs, inner_cs):
+    a = _rand(N, 5, seed=10)
+    b = _rand(6, N, seed=11)
+    fun = lambda x, y: jnp.sin(x) * y  # noqa: E731 - x (5,)... y scalar
+    ref = jax.vmap(jax.vmap(fun, in_axes=(None, 0), out_axes=1), in_axes=(0, 1), out_axes=-1)(a, b)
+    inner = chunkop.vmap(fun, in_axes=(None, 0), out_axes=1, chunk_size=inner_cs)
+    got = chunkop.vmap(inner, in_axes=(0, 1), out_axes=-1, chunk_size=outer_cs)(a, b)
+    assert_tree_allclose(got, ref)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_nested_with_jax_vmap_both_orders(chunk_size):
+    a = _rand(N, 5, seed=12)
+    b = _rand(6, 5, seed=13)
+    fun = lambda x, y: jnp.dot(jnp.tanh(x), y)  # noqa: E731
+    ref = jax.vmap(jax.vmap(fun, in_axes=(None, 0)), in_axes=(0, None))(a, b)
+    got = chunkop.vmap(jax.vmap(fun, in_axes=(None, 0)), in_axes=(0, None), chunk_size=chunk_size)(a, b)
+    assert_tree_allclose(got, ref)
+    ref_t = jax.vmap(jax.vmap(fun, in_axes=(0, None)), in_axes=(None, 0))(a, b)
+    got_t = jax.vmap(chunkop.vmap(fun, in_axes=(0, None), chunk_size=chunk_size), in_axes=(None, 0))(a, b)
+    assert_tree_allclose(got_t, ref_t)
+
+
+def test_nested_wrapper_keeps_its_own_settings():
+    """Regression: ``functools.wraps`` copied the inner wrapper's ``__dict__`` (its ``fun``,
+    ``in_axes``, ``chunk_size`` ...) onto the outer wrapper, so the outer one ran the inner."""
+    inner = chunkop.vmap(lambda r: r.sum(), chunk_size=2)
+    outer = chunkop.vmap(inner, in_axes=1, chunk_size=2)
+    x = _rand(10, 6)
+    assert_tree_allclose(outer(x), jax.vmap(jax.vmap(lambda r: r.sum()), in_axes=1)(x))
+    assert outer.chunk_size == 2 and outer.in_axes == 1 and outer.__wrapped__ is inner
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapping, decorators, functools.partial.
+
+
+def test_wraps_name_doc_and_signature():
+    def energy(x, w):
+        """Per-example energy."""
+        return (x @ w) ** 2
+
+    f = chunkop.vmap(energy, in_axes=(0, None), chunk_size=3)
+    assert f.__name__ == "energy"
+    assert f.__doc__ == "Per-example energy."
+    assert f.__wrapped__ is energy
+    assert list(inspect.signature(f).parameters) == ["x", "w"]
+    assert_tree_allclose(f(X, W), jax.vmap(energy, in_axes=(0, None))(X, W))
+
+
+def test_callable_object_with_clashing_attributes():
+    """A callable whose attributes are named like the wrapper's (``fun``, ``in_axes`` ...)."""
+
+    class Model:
+        def __init__(self):
+            self.fun = None
+            self.in_axes = 5
+            self.chunk_size = "big"
+            self.w = W
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w)
+
+    model = Model()
+    f = chunkop.vmap(model, chunk_size=3)
+    assert_tree_allclose(f(X), jax.vmap(model)(X))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_decorator_with_functools_partial(chunk_size):
+    @functools.partial(chunkop.vmap, in_axes=(0, None), chunk_size=chunk_size)
+    def f(x, w):
+        return jnp.sin(x @ w)
+
+    assert f.__name__ == "f"
+    assert_tree_allclose(f(X, W), jax.vmap(lambda x, w: jnp.sin(x @ w), in_axes=(0, None))(X, W))
+
+
+def test_bare_decorator_and_partial_function():
+    @chunkop.vmap
+    def g(x):
+        return x**2
+
+    assert_tree_allclose(g(X), jax.vmap(lambda x: x**2)(X))
+    p = functools.partial(lambda x, w: x @ w, w=W)
+    assert_tree_allclose(chunkop.vmap(p, chunk_size=3)(X), jax.vmap(p)(X))
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives over axis_name.
+
+COLLECTIVES = {
+    "psum": lambda x: x - jax.lax.psum(x, "i"),
+    "pmean": lambda x: x - jax.lax.pmean(x, "i"),
+    "pmax": lambda x: jax.lax.pmax(x, "i"),
+    "axis_index": lambda x: x * jax.lax.axis_index("i"),
+    "all_gather": lambda x: jax.lax.all_gather(x, "i").sum(0),
+    "ppermute": lambda x: jax.lax.ppermute(x, "i", [(j, (j + 1) % N) for j in range(N)]),
+    "psum_in_jit": lambda x: jax.jit(lambda t: jax.lax.psum(t, "i"))(x),
+    "psum_in_cond": lambda x: jax.lax.cond(x.sum() > 0, lambda: jax.lax.psum(x, "i"), lambda: x),
+    "axis_index_in_scan": lambda x: jax.lax.scan(lambda c, _: (c + jax.lax.axis_index("i"), None), x, None, 2)[0],
+    "ppermute_in_checkpoint": lambda x: jax.checkpoint(
+        lambda t: jax.lax.ppermute(t, "i", [(j, (j + 3) % N) for j in range(N)])
+    )(x),
+}
+EXPECTED_PRIM = {
+    "psum": "psum", "pmean": "psum", "pmax": "pmax", "axis_index": "axis_index",
+    "all_gather": "all_gather", "ppermute": "ppermute", "psum_in_jit": "psum",
+    "psum_in_cond": "psum", "axis_index_in_scan": "axis_index", "ppermute_in_checkpoint": "ppermute",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
+def test_collective_with_chunking_raises(name):
+    f = chunkop.vmap(COLLECTIVES[name], axis_name="i", chunk_size=3)
+    with pytest.raises(ValueError, match=rf"collective `{EXPECTED_PRIM[name]}` over axis_name='i'.*chunk_size=3 < axis size 8"):
+        f(X)
+
+
+@pytest.mark.parametrize("chunk_size", [None, N, N + 1])
+@pytest.mark.parametrize("name", sorted(COLLECTIVES))
+def test_collective_without_chunking_matches_jax_vmap(name, chunk_size):
+    check(COLLECTIVES[name], (X,), chunk_size=chunk_size, axis_name="i")
+
+
+@pytest.mark.parametrize("chunk_size", [3, 4])
+def test_collective_detection_has_no_false_positives(chunk_size):
+    @jax.jit
+    def i(t):  # a jit whose `name` parameter equals the axis name
+        return t * 2
+
+    check(lambda x: i(x).sum(0), (X,), chunk_size=chunk_size, axis_name="i")
+    # axis_name=0 must not match reduce_sum's axes=(0,)
+    check(lambda x: jnp.sum(jnp.outer(x, x), axis=0), (X,), chunk_size=chunk_size, axis_name=0)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_collective_over_outer_axis_inside_chunked_inner(chunk_size):
+    """The inner map is chunked over 'i' but reduces over the *outer* axis 'j': legitimate."""
+    a = _rand(4, N, seed=20)
+    fun = lambda x: x - jax.lax.psum(x, "j")  # noqa: E731
+    ref = jax.vmap(jax.vmap(fun, axis_name="i"), axis_name="j")(a)
+    got = jax.vmap(chunkop.vmap(fun, axis_name="i", chunk_size=chunk_size), axis_name="j")(a)
+    assert_tree_allclose(got, ref)
+
+
+def test_collective_over_outer_chunked_axis_raises():
+    """... but a reduction over an outer axis that is itself chunked is caught by the outer map."""
+    a = _rand(N, 4, seed=21)
+    inner = chunkop.vmap(lambda x: x - jax.lax.psum(x, "j"), axis_name="i", chunk_size=None)
+    outer = chunkop.vmap(inner, axis_name="j", chunk_size=3)
+    with pytest.raises(ValueError, match="collective `psum` over axis_name='j'"):
+        outer(a)
+    ref = jax.vmap(jax.vmap(lambda x: x - jax.lax.psum(x, "j"), axis_name="i"), axis_name="j")(a)
+    assert_tree_allclose(chunkop.vmap(inner, axis_name="j", chunk_size=N)(a), ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunkop.map against jax.lax.map.
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 4, N, 20])
+def test_map_matches_lax_map(chunk_size):
+    xs = {"a": X, "b": (XT.T, np.arange(N, dtype=np.int32))}
+    f = lambda t: {"y": jnp.tanh(t["a"]).sum() * t["b"][0], "i": t["b"][1] * 2, "m": t["a"] > 0}  # noqa: E731
+    assert_tree_allclose(chunkop.map(f, xs, chunk_size=chunk_size), jax.lax.map(f, xs))
+    assert_tree_allclose(chunkop.map(f, xs, chunk_size=chunk_size), jax.lax.map(f, xs, batch_size=chunk_size))
