@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._operator import AbstractRowOperator
+from ._operator import AbstractRowOperator, TransposedRowOperator
+from ._vmap import vmap as chunked_vmap
 
 __all__ = ["check_linear"]
 
@@ -21,6 +22,16 @@ __all__ = ["check_linear"]
 @jax.jit
 def _mv(operator: Any, x: Any) -> Any:
     return operator.mv(x)
+
+
+@jax.jit
+def _row_fn_mv(operator: Any, x: Any) -> Any:
+    """``A x`` from ``row_fn`` itself (a chunked vmap), independent of the operator's kernels.
+
+    The kernels apply each chunk's linearisation of ``row_fn`` (exact for a linear ``row_fn``,
+    but linear whatever ``row_fn`` is), so linearity must be tested on ``row_fn`` directly.
+    """
+    return chunked_vmap(operator.row_fn, in_axes=(0, None), chunk_size=operator.chunk_size)(operator.rows, x)
 
 
 @jax.jit
@@ -36,8 +47,13 @@ def _random_like(key: jax.Array, structure: Any) -> Any:
     )
 
 
-def _vdot(a: Any, b: Any) -> jax.Array:
-    return sum(jnp.vdot(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+def _dot(a: Any, b: Any) -> jax.Array:
+    """The bilinear pairing ``sum a * b`` (no conjugation: ``A.T`` is the transpose, not the adjoint)."""
+    return sum(jnp.sum(x * y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def _num(v: jax.Array) -> str:
+    return f"{complex(v):.6g}" if jnp.iscomplexobj(v) else f"{float(v):.6g}"
 
 
 def _norm(a: Any) -> jax.Array:
@@ -45,10 +61,12 @@ def _norm(a: Any) -> jax.Array:
 
 
 def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None, rtol: float | None = None) -> dict:
-    """Check numerically that ``operator`` is linear and that its transpose is its adjoint.
+    """Check numerically that ``operator`` is linear and that ``operator.T`` is its transpose.
 
-    Three tests on random vectors ``x1, x2`` (in the input space) and ``y`` (output space):
-    ``A(0) == 0``; ``A(a x1 + b x2) == a A(x1) + b A(x2)``; ``<A x1, y> == <x1, A^T y>``.
+    Four tests on random vectors ``x1, x2`` (in the input space) and ``y`` (output space), where
+    ``A(x)`` is ``row_fn`` evaluated row by row: ``A(0) == 0``; ``A(a x1 + b x2) == a A(x1) +
+    b A(x2)``; ``operator.mv(x1) == A(x1)``; ``<A x1, y> == <x1, A^T y>`` (the bilinear pairing,
+    no conjugation: ``A^T`` is the transpose). For ``A.T`` the tests are those of ``A``.
 
     Args:
         operator: a :class:`chunkop.RowOperator` (or its transpose).
@@ -56,7 +74,8 @@ def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None,
         rtol: relative tolerance (default ``1000 * eps`` of the operator's dtype).
 
     Returns:
-        A dict of the relative errors measured (``"zero"``, ``"superposition"``, ``"adjoint"``).
+        A dict of the relative errors measured (``"zero"``, ``"superposition"``, ``"matvec"``,
+        ``"adjoint"``).
 
     Raises:
         ValueError: naming the failed test and its error, e.g. when ``row_fn`` is not linear in ``x``.
@@ -72,12 +91,14 @@ def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None,
         ValueError: check_linear: the operator is not linear in x: A(0) = ...
     """
     key = jax.random.key(0) if key is None else key
+    if isinstance(operator, TransposedRowOperator):
+        operator = operator.operator
     in_struct, out_struct = operator.in_structure(), operator.out_structure()
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(in_struct))
     rtol = float(1000 * jnp.finfo(dtype).eps) if rtol is None else rtol
     k1, k2, k3 = jax.random.split(key, 3)
     x1, x2, y = _random_like(k1, in_struct), _random_like(k2, in_struct), _random_like(k3, out_struct)
-    mv = functools.partial(_mv, operator)
+    mv = functools.partial(_row_fn_mv, operator)
     a, b = 0.7, -1.3
     ax1, ax2 = mv(x1), mv(x2)
     scale = _norm(ax1) + _norm(ax2) + jnp.finfo(dtype).tiny
@@ -106,11 +127,19 @@ def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None,
             f"check_linear: the operator is not linear in x: A(a x1 + b x2) differs from "
             f"a A(x1) + b A(x2) by {errors['superposition']:.3g} (relative; tolerance {rtol:.3g})."
         )
-    lhs, rhs = _vdot(ax1, y), _vdot(x1, _rmv(operator, y))
+    errors["matvec"] = float(
+        _norm(jax.tree_util.tree_map(jnp.subtract, _mv(operator, x1), ax1)) / (_norm(ax1) + jnp.finfo(dtype).tiny)
+    )
+    if errors["matvec"] > rtol:
+        raise ValueError(
+            f"check_linear: operator.mv(x) differs from row_fn applied row by row by "
+            f"{errors['matvec']:.3g} (relative; tolerance {rtol:.3g})."
+        )
+    lhs, rhs = _dot(ax1, y), _dot(x1, _rmv(operator, y))
     errors["adjoint"] = float(jnp.abs(lhs - rhs) / (jnp.abs(lhs) + jnp.abs(rhs) + jnp.finfo(dtype).tiny))
     if errors["adjoint"] > rtol:
         raise ValueError(
-            f"check_linear: <A x, y> = {float(lhs):.6g} but <x, A^T y> = {float(rhs):.6g} "
+            f"check_linear: <A x, y> = {_num(lhs)} but <x, A^T y> = {_num(rhs)} "
             f"(relative error {errors['adjoint']:.3g}, tolerance {rtol:.3g})."
         )
     return errors

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ._operator import RowOperator
+from ._operator import RowOperator, linear_jacobian
 from ._reduce import sum as chunked_sum
 
 __all__ = ["gram_diagonal"]
@@ -31,9 +31,11 @@ def gram_diagonal(
     Two ways, both exact:
 
     - with ``squared_row_fn`` (``row_fn`` with every weight squared, e.g.
-      ``lambda r, x: w(r) ** 2 @ x[r.idx]``): ``(A o A)^T 1`` with the fast chunked transpose.
-      Valid when each output element of a row uses each entry of ``x`` at most once (true for
-      gathers such as line-of-sight integrals); cost: one transposed matvec.
+      ``lambda r, x: w(r) ** 2 @ x[r["idx"]]``): ``(A o A)^T 1`` with the fast chunked
+      transpose; cost: one transposed matvec. Exact only when every coefficient ``A[i, j]``
+      comes from a single weight, i.e. each output element of a row uses each entry of ``x``
+      at most once (true for the line-of-sight integrals ``w . x[idx, :]``; false when two
+      samples of a row fall in the same cell, as in a bilinear-interpolated line integral).
     - otherwise, generically: each row's coefficient vector is built densely (``jax.jacrev``
       of ``row_fn`` at ``x = 0``), squared and summed, ``chunk_size`` rows at a time. Cost
       ``O(n_rows * in_size)`` time and ``O(chunk_size * in_size)`` memory: for small operators.
@@ -72,6 +74,6 @@ def gram_diagonal(
 
     def squared_coefficients(row: Any) -> jax.Array:
         f = lambda v: ravel_pytree(operator.row_fn(row, unravel(v)))[0]  # noqa: E731
-        return jnp.sum(jnp.abs(jax.jacrev(f)(flat_x)) ** 2, axis=0)
+        return jnp.sum(jnp.abs(linear_jacobian(f, flat_x)) ** 2, axis=0)
 
     return unravel(chunked_sum(squared_coefficients, chunk_size=chunk_size)(operator.rows))

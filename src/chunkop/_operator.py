@@ -66,14 +66,17 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
 
     @property
     def n_rows(self) -> int:
+        """The number of rows (the size of the leading axis of every leaf of ``rows``)."""
         return jax.tree_util.tree_leaves(self.rows)[0].shape[0]
 
     @property
     def row_fn(self) -> Callable:
+        """The per-row function ``row_fn(row, x)`` (linear in ``x``)."""
         return self.spec.row_fn
 
     @property
     def chunk_size(self) -> int:
+        """The number of rows computed at once."""
         return self.spec.chunk_size
 
     def _x_structure(self) -> Any:
@@ -148,12 +151,17 @@ class RowOperator(AbstractRowOperator):
         chunk_size: int,
         tags: object | Iterable[object] = (),
     ) -> None:
-        """Args:
-        row_fn: ``row_fn(row, x) -> y_row``, linear in ``x``; ``row`` is one slice of ``rows``.
-        rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
-        in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
-        chunk_size: number of rows computed at once (a positive int).
-        tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
+        """Build the operator (arguments are checked here, before any tracing).
+
+        Args:
+            row_fn: ``row_fn(row, x) -> y_row``, linear in ``x``; ``row`` is one slice of
+                ``rows``. It must not close over traced values: pass them through ``rows``.
+                (A non-linear ``row_fn`` would act as its linear part at ``x = 0``: check new
+                operators with :func:`chunkop.check_linear`.)
+            rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
+            in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
+            chunk_size: number of rows computed at once (a positive int).
+            tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
@@ -177,13 +185,19 @@ class RowOperator(AbstractRowOperator):
         return _rows.apply(self.spec, self.rows, vector)
 
     def transpose(self) -> TransposedRowOperator:
-        """The transpose ``A^T`` (its own chunked kernel); ``A.T.T`` is ``A``."""
+        """The transpose ``A^T`` (its own chunked kernel); ``A.T.T`` is ``A``.
+
+        Returns:
+            A :class:`TransposedRowOperator` sharing this operator's rows.
+        """
         return TransposedRowOperator(self)
 
     def in_structure(self) -> Any:
+        """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
         return self._x_structure()
 
     def out_structure(self) -> Any:
+        """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``."""
         return self._y_structure()
 
 
@@ -191,21 +205,35 @@ class TransposedRowOperator(AbstractRowOperator):
     """``A^T`` for a :class:`RowOperator` ``A``: ``y -> sum_i row_fn(row_i, .)^T y_i``.
 
     Built by ``A.T``; its ``mv`` is a scan over chunks of rows, each chunk recomputing its
-    weights and accumulating its ``jax.linear_transpose`` into the ``x`` space.
+    weights and accumulating its ``jax.linear_transpose`` into the ``x`` space. It is
+    differentiable like ``A.mv`` (w.r.t. ``y`` and the float leaves of ``rows``).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, chunkop
+        >>> rows = {"i": jnp.array([0, 2, 2]), "w": jnp.array([1.0, 2.0, 3.0])}
+        >>> A = chunkop.RowOperator(lambda r, x: r["w"] * x[r["i"]], rows,
+        ...                         jax.ShapeDtypeStruct((3,), jnp.float32), chunk_size=2)
+        >>> A.T.mv(jnp.ones(3))
+        Array([1., 0., 5.], dtype=float32)
+        >>> A.T.T is A
+        True
     """
 
     operator: RowOperator
 
     @property
     def rows(self) -> Any:
+        """The row data, shared with the original operator."""
         return self.operator.rows
 
     @property
     def spec(self) -> _rows.Spec:
+        """The static description (``row_fn``, chunk size, ``x``'s structure) of the original."""
         return self.operator.spec
 
     @property
     def tags(self) -> frozenset:
+        """The original operator's tags, transposed (``lineax.transpose_tags``)."""
         return lx.transpose_tags(self.operator.tags)
 
     def mv(self, vector: Any) -> Any:
@@ -221,13 +249,33 @@ class TransposedRowOperator(AbstractRowOperator):
         return _rows.apply_transpose(self.spec, self.rows, vector)
 
     def transpose(self) -> RowOperator:
+        """The original operator.
+
+        Returns:
+            The :class:`RowOperator` this is the transpose of (``A.T.T is A``).
+        """
         return self.operator
 
     def in_structure(self) -> Any:
+        """The structure of ``y``: the original operator's output structure."""
         return self._y_structure()
 
     def out_structure(self) -> Any:
+        """The structure of ``A^T y``: the original operator's input structure."""
         return self._x_structure()
+
+
+def linear_jacobian(f: Callable[[jax.Array], jax.Array], flat_x: jax.Array) -> jax.Array:
+    """The matrix of the linear map ``f`` (flat vector -> flat vector), for real or complex dtypes.
+
+    Reverse mode (one row of coefficients per output element) when it applies; complex inputs
+    need ``holomorphic=True``, and a real input with a complex output needs forward mode.
+    """
+    if jnp.iscomplexobj(flat_x):
+        return jax.jacrev(f, holomorphic=True)(flat_x)
+    if jnp.issubdtype(jax.eval_shape(f, flat_x).dtype, jnp.complexfloating):
+        return jax.jacfwd(f)(flat_x)
+    return jax.jacrev(f)(flat_x)
 
 
 def _dense(op: AbstractRowOperator) -> jax.Array:
@@ -242,7 +290,7 @@ def _dense(op: AbstractRowOperator) -> jax.Array:
 
     def row_matrix(row: Any) -> jax.Array:
         f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]  # noqa: E731
-        return jax.jacrev(f)(flat_x)  # (row_out_size, in_size); exact: f is linear
+        return linear_jacobian(f, flat_x)  # (row_out_size, in_size); exact: f is linear
 
     blocks = vmap(row_matrix, chunk_size=base.chunk_size)(base.rows)
     if jax.tree_util.tree_structure(base.out_structure()).num_leaves != 1:

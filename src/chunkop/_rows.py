@@ -4,9 +4,11 @@ An operator is ``y_i = row_fn(row_i, x)`` for ``i < n_rows``, linear in ``x``. F
 a ``jax.lax.scan`` over chunks of rows with a ``jax.checkpoint``-ed body (so weights computed
 from the row data are recomputed, never stored for all rows):
 
-- ``forward(rows, x)``: the matvec, one vmapped ``row_fn`` per chunk;
-- ``backward(rows, y)``: the transpose, a per-chunk ``jax.linear_transpose`` of that vmapped
-  ``row_fn``, accumulated into the ``x`` space;
+- ``forward(rows, x)``: the matvec. Per chunk, the vmapped ``row_fn`` is linearised at
+  ``x = 0`` (exact: it is linear) into ``fn(x, *consts)``, where ``consts`` (gather indices,
+  weights) are computed once per chunk (see :func:`_linear_parts`), then applied to ``x``;
+- ``backward(rows, y)``: the transpose, ``jax.linear_transpose`` of the same ``fn`` applied to
+  the chunk of ``y`` and accumulated into the ``x`` space;
 - ``forward_drows`` / ``backward_drows``: their derivatives w.r.t. the float leaves of ``rows``
   (bilinear in ``(drows, x)`` / ``(drows, y)``).
 
@@ -71,7 +73,8 @@ def _float_leaves(rows: Any) -> list:
 def _stack_rows(spec: Spec, per_chunk: Callable, mapped: list) -> Any:
     """Chunked ``per_chunk(token, *chunk) -> pytree`` over the leading (row) axis, stacked.
 
-    ``token`` is a traced bool that differs between chunks (see :func:`_linear_parts`).
+    ``token`` is a traced bool computed from the chunk's row numbers, so XLA cannot fold it to
+    a constant (see :func:`_linear_parts`; its value never matters).
     """
     n = mapped[0].shape[0]
     plan = make_plan(n, spec.chunk_size)
@@ -243,17 +246,21 @@ def _linear_rule(kernel: Callable, kernel_drows: Callable, self_fn: Callable):
     return rule
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def apply(spec: Spec, rows: Any, x: Any) -> Any:
     """The matvec ``A(rows) x`` (chunked; differentiable in ``rows`` and ``x`` to any order)."""
     return forward(spec, rows, x)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def apply_transpose(spec: Spec, rows: Any, y: Any) -> Any:
     """The transposed matvec ``A(rows)^T y`` (chunked; differentiable to any order)."""
     return backward(spec, rows, y)
 
 
-apply.defjvp(_linear_rule(forward, forward_drows, apply), symbolic_zeros=True)
-apply_transpose.defjvp(_linear_rule(backward, backward_drows, apply_transpose), symbolic_zeros=True)
+apply.__wrapped__.defjvp(_linear_rule(forward, forward_drows, apply), symbolic_zeros=True)
+apply_transpose.__wrapped__.defjvp(
+    _linear_rule(backward, backward_drows, apply_transpose), symbolic_zeros=True
+)
