@@ -1,0 +1,147 @@
+"""The documentation stays true: every ```python block of docs/*.md runs, docs/api.md is the
+fresh output of docs/gen_api.py, and every docstring example of the public API passes doctest.
+
+Markdown snippets run file by file, in order, in one fresh namespace per file (a block may use
+names defined by an earlier block of the same file). Code that is not meant to run must use
+another fence language (```text, ```bash, ```pycon).
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib.util
+import inspect
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+import chunkop
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+MARKDOWN = sorted(DOCS.glob("*.md"))
+_BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+_OPENING = re.compile(r"^[ \t]*```+[ \t]*python\b", re.MULTILINE)
+PUBLIC = [name for name in chunkop.__all__ if name != "__version__"]
+
+
+def python_blocks(path: Path) -> list[tuple[int, str]]:
+    """``(line of the opening fence, code)`` of every top-level ```python block in ``path``."""
+    text = path.read_text()
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in _BLOCK.finditer(text)]
+
+
+def _load_gen_api():
+    spec = importlib.util.spec_from_file_location("_chunkop_gen_api", DOCS / "gen_api.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown snippets.
+
+
+def test_docs_exist():
+    names = {p.name for p in MARKDOWN}
+    assert {"index.md", "guide.md", "design.md", "api.md"} <= names
+    for name in ("index.md", "guide.md", "design.md"):
+        assert python_blocks(DOCS / name), f"docs/{name} has no ```python block"
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.name)
+def test_every_python_fence_is_extracted(path):
+    """No ```python block is skipped (e.g. an indented fence inside a list)."""
+    text = path.read_text()
+    assert len(_OPENING.findall(text)) == len(python_blocks(path)), (
+        f"{path.name}: a ```python fence is indented or unterminated; write python blocks at "
+        f"the top level so tests/test_docs.py runs them"
+    )
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.name)
+def test_markdown_python_blocks_run(path):
+    namespace: dict = {"__name__": f"docs.{path.stem}"}
+    for line, code in python_blocks(path):
+        # Pad with newlines so that tracebacks point at the line of the .md file.
+        exec(compile("\n" * line + code, str(path), "exec"), namespace)  # noqa: S102
+
+
+# ------------------------------------------------------------------------------------------------
+# The API reference.
+
+
+def test_api_md_is_up_to_date():
+    fresh = _load_gen_api().render()
+    current = (DOCS / "api.md").read_text()
+    assert current == fresh, "docs/api.md is out of date: run `python docs/gen_api.py`"
+
+
+def test_api_md_documents_every_public_name():
+    text = (DOCS / "api.md").read_text()
+    for name in chunkop.__all__:
+        assert f"## `chunkop.{name}`" in text
+
+
+def test_gen_api_markdown_conversion():
+    gen = _load_gen_api()
+    doc = '''Summary with ``code`` and :func:`chunkop.vmap`.
+
+    Args:
+        x: first line
+            continued.
+        y (int): other.
+
+    Returns:
+        The thing.
+
+    Example:
+        >>> 1 + 1
+        2
+    '''
+    md = "\n".join(gen.docstring_md(doc))
+    assert "Summary with `code` and [`chunkop.vmap`](#chunkopvmap)." in md
+    assert "- `x`: first line continued." in md
+    assert "- `y (int)`: other." in md
+    assert "**Returns:**\n\nThe thing." in md
+    assert "```pycon\n>>> 1 + 1\n2\n```" in md
+
+
+# ------------------------------------------------------------------------------------------------
+# Docstring examples.
+
+_FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+
+
+def _doctests(name: str) -> list[doctest.DocTest]:
+    obj = getattr(chunkop, name)
+    finder = doctest.DocTestFinder(recurse=True, exclude_empty=True)
+    tests = finder.find(obj, f"chunkop.{name}", module=inspect.getmodule(obj), globs={})
+    return [t for t in tests if t.examples]
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_docstring_examples(name):
+    out = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=_FLAGS)
+    for test in _doctests(name):
+        runner.run(test, out=out.write)
+    results = runner.summarize(verbose=False)
+    assert results.failed == 0, out.getvalue()
+
+
+_NO_EXAMPLE_YET = {"TransposedRowOperator"}  # reported to the lead: its docstring has no Example
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.xfail(reason="docstring has no Example yet", strict=False))
+        if n in _NO_EXAMPLE_YET
+        else n
+        for n in PUBLIC
+    ],
+)
+def test_public_objects_have_examples(name):
+    assert sum(len(t.examples) for t in _doctests(name)) > 0, f"chunkop.{name} has no docstring example"

@@ -1,0 +1,134 @@
+"""Smoke tests of the line-of-sight example (examples/astro_los) at its 'tiny' size.
+
+The example's operator must agree with the unchunked ``jax.vmap`` formulation (values,
+transpose and derivatives w.r.t. the sky and the row data), its weights with the users' formula
+evaluated in float64, and the reconstruction must beat the baseline (the prior mean).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
+import los  # noqa: E402
+import reconstruct  # noqa: E402
+
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return los.make_problem("tiny")
+
+
+def test_weights_match_users_formula_in_float64(tiny):
+    d, s = tiny.d[:500], tiny.s[:500]
+    dd, ss, b = np.asarray(d, np.float64)[:, None], np.asarray(s, np.float64)[:, None], tiny.edges
+    ref = -np.diff(np.exp(-(dd - b) / (dd * ss * b)), axis=1)
+    w = np.asarray(los.los_weights(d, s, tiny.edges))
+    assert w.shape == (500, tiny.n_bins)
+    np.testing.assert_allclose(w, ref, rtol=2e-6, atol=0)
+
+
+def test_operator_matches_unchunked_vmap(tiny):
+    # a chunk size that does not divide n_los: the remainder chunk is exercised too
+    A = tiny.operator(chunk_size=700)
+    assert A.n_rows % 700 != 0
+    x = tiny.truth()
+    y = jax.random.normal(jax.random.key(1), (tiny.n_los,), jnp.float32)
+    scale = float(jnp.max(jnp.abs(A.mv(x))))
+
+    def chunked(x, d, s):
+        return los.with_rows(A, d=d, s=s).mv(x)
+
+    def unchunked(x, d, s):
+        return los.los_vmap(tiny.pix, d, s, x, tiny.edges)
+
+    @jax.jit
+    def everything(x, d, s, y):
+        # values, transposes, gradients of a data misfit w.r.t. the sky and the row data (d, s)
+        # (as the s-scale fit uses them) and a Hessian-vector product in s, for both formulations
+        out = {}
+        for name, f in (("chunked", chunked), ("unchunked", unchunked)):
+            loss = lambda x, d, s: jnp.sum((f(x, d, s) - y * scale) ** 2)  # noqa: B023,E731
+            (ft,) = jax.linear_transpose(lambda v: f(v, d, s), x)(y)  # noqa: B023
+            out[name] = {
+                "mv": f(x, d, s),
+                "T": ft,
+                "grad": jax.grad(loss, argnums=(0, 1, 2))(x, d, s),
+                "hvp_s": jax.jvp(lambda s_: jax.grad(loss, 2)(x, d, s_), (s,), (jnp.ones_like(s),))[1],
+            }
+        out["A.T.mv"] = A.T.mv(y)
+        return out
+
+    out = everything(x, tiny.d, tiny.s, y)
+    c, u = out["chunked"], out["unchunked"]
+    close = lambda a, b, rtol: np.testing.assert_allclose(  # noqa: E731
+        a, b, rtol=rtol, atol=1e-5 * float(jnp.max(jnp.abs(b)))
+    )
+    close(c["mv"], u["mv"], 1e-5)
+    close(c["T"], u["T"], 1e-4)
+    close(out["A.T.mv"], u["T"], 1e-4)
+    for a, b in zip(c["grad"], u["grad"]):
+        close(a, b, 1e-3)
+    close(c["hvp_s"], u["hvp_s"], 1e-3)
+
+
+def test_gram_diagonal_exact(tiny):
+    # (the operator's linearity is checked by chunkop.check_linear inside reconstruct.run)
+    A = tiny.operator(chunk_size=512)
+    gd = jax.jit(lambda A: los.gram_diagonal(A, tiny.edges))(A)
+    W = np.asarray(los.los_weights(tiny.d, tiny.s, tiny.edges), np.float64)
+    ref = np.zeros((tiny.n_pix, tiny.n_bins))
+    np.add.at(ref, np.asarray(tiny.pix), W**2)
+    np.testing.assert_allclose(gd, ref, rtol=1e-4, atol=1e-6 * ref.max())
+
+
+def test_prior_operator_is_symmetric(tiny):
+    sc = reconstruct.prior_scales(tiny)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    u = jax.random.normal(k1, (tiny.n_pix, tiny.n_bins))
+    v = jax.random.normal(k2, (tiny.n_pix, tiny.n_bins))
+    R = jax.jit(lambda z: reconstruct.prior_apply(z, tiny, sc))
+    Ru, Rv = R(u), R(v)
+    np.testing.assert_allclose(jnp.vdot(Ru, v), jnp.vdot(u, Rv), rtol=1e-4)
+    # the diagonal used by the Jacobi preconditioner is the operator's diagonal
+    e = jnp.zeros((tiny.n_pix, tiny.n_bins)).at[5, 0].set(1.0).at[17, 3].set(1.0)
+    Re = R(e)
+    diag = reconstruct.prior_diag(tiny, sc)
+    np.testing.assert_allclose([Re[5, 0], Re[17, 3]], [diag[5, 0], diag[17, 3]], rtol=1e-5)
+
+
+def test_tiny_reconstruction_beats_baseline(tmp_path):
+    res = reconstruct.run("tiny", out=str(tmp_path), figures=False, fit_s=True)
+    m = res["metrics"]
+    assert m["finite"]
+    assert max(res["check_linear"].values()) < 1e-4
+    assert m["rel_err_reconstruction"] < 0.6 * m["rel_err_baseline_prior_mean"]
+    assert m["rel_err_column_reconstruction"] < 0.5 * m["rel_err_column_baseline"]
+    assert 0.7 < m["chi2_per_line_reconstruction"] < 1.3  # fits the data down to the noise
+    assert m["chi2_per_line_baseline"] > 10
+    rn = res["cg"]["residual_norms"]
+    assert len(rn) >= 2 and np.all(np.isfinite(rn)) and rn[-1] < 1e-2 * rn[0]
+    assert abs(res["s_fit"]["alpha"] - 1.0) < 0.01  # started at 2
+    for k in ("matvec", "transpose", "grad_sky", "hvp_sky", "cg_solve"):
+        assert res["memory"][k]["temp_bytes"] >= 0
+    assert res["peak_rss_bytes"] > 0
+    assert (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_seed_size_fits_in_memory(tmp_path):
+    # the users' full size: 786432 x 516 sky (1.5 GiB per copy), 132400 lines, 5 CG iterations;
+    # about 3.5 minutes and 11 GiB peak RSS on a 2-core CPU (see examples/astro_los/README.md)
+    res = reconstruct.run("seed", out=str(tmp_path), figures=False)
+    assert res["metrics"]["finite"]
+    assert res["cg"]["result"] == "successful" and res["cg"]["iterations"] == 5
+    assert res["metrics"]["chi2_per_line_reconstruction"] < res["metrics"]["chi2_per_line_baseline"]
+    assert res["memory"]["matvec"]["temp_bytes"] < 2**30  # no n_los x n_bins array
+    assert res["peak_rss_bytes"] < 16 * 2**30
