@@ -5,7 +5,10 @@ A mapped axis of size ``n`` is cut into ``n // chunk`` full chunks, run by one
 inputs and recomputes each chunk's intermediates), followed by one remainder chunk of
 ``n % chunk`` elements, computed by a second call of the same chunk function at that size.
 No padding is used: padded rows can poison gradients (``log(0)``), and clamped dynamic slices
-silently re-read rows; a separately traced remainder has neither problem.
+silently re-read rows; a separately traced remainder has neither problem. The price: when
+``n % chunk != 0`` the first ``n - n % chunk`` rows of each mapped input are sliced off before
+the reshape, and XLA materialises that slice (one copy of the mapped inputs, as in
+``jax.lax.map(..., batch_size=...)``); when ``chunk`` divides ``n`` the reshape is free.
 """
 
 from __future__ import annotations

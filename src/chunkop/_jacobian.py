@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ._axes import check_chunk_size
@@ -22,15 +23,22 @@ from ._vmap import vmap
 __all__ = ["jacrev", "jacfwd"]
 
 
+def _is_int(a: Any) -> bool:
+    return isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_))
+
+
 def _check_argnums(argnums: int | Sequence[int], nargs: int, where: str) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    try:
+        nums = (argnums,) if _is_int(argnums) else tuple(argnums)
+    except TypeError:
+        nums = (argnums,)  # not an int and not iterable: reported below
     for a in nums:
-        if isinstance(a, bool) or not isinstance(a, int) or not -nargs <= a < nargs:
+        if not _is_int(a) or not -nargs <= a < nargs:
             raise ValueError(
                 f"{where}: `argnums`={argnums!r} must be int(s) indexing the {nargs} positional "
                 f"arguments the function was called with."
             )
-    return tuple(a % nargs for a in nums)
+    return tuple(int(a) % nargs for a in nums)
 
 
 def _partial_args(fun: Callable, args: tuple, kwargs: dict, nums: tuple[int, ...]) -> Callable:
@@ -44,14 +52,19 @@ def _partial_args(fun: Callable, args: tuple, kwargs: dict, nums: tuple[int, ...
 
 
 def _basis(i: jax.Array, size: int, dtype: Any, unravel: Callable) -> Any:
-    return unravel(jnp.zeros(size, dtype).at[i].set(1))
+    # A comparison rather than `zeros(size).at[i].set(1)`: the latter fails to trace for size 0.
+    return unravel((jnp.arange(size) == i).astype(dtype))
 
 
-def _check_float(tree: Any, where: str, what: str) -> None:
+def _check_float(tree: Any, where: str, what: str, *, real: bool = False) -> None:
+    """Inputs/outputs must be float (``real``) or float/complex, as for ``jax.jacrev``/``jacfwd``."""
+    kind = jnp.floating if real else jnp.inexact
     for leaf in jax.tree_util.tree_leaves(tree):
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+        if not jnp.issubdtype(jnp.result_type(leaf), kind):
             raise TypeError(
-                f"{where}: differentiation requires float {what}, got dtype {jnp.result_type(leaf)}."
+                f"{where}: differentiation requires {'real ' if real else ''}float {what}, got "
+                f"dtype {jnp.result_type(leaf)}"
+                + (" (complex differentiation is not supported)." if real else ".")
             )
 
 
@@ -65,7 +78,8 @@ def jacrev(
     """``jax.jacrev`` that pulls back ``chunk_size`` output basis vectors at a time.
 
     Args:
-        fun: function of pytrees of float arrays, returning a pytree of float arrays.
+        fun: function of pytrees of float (or complex) arrays, returning a pytree of real
+            float arrays (as for ``jax.jacrev``; complex outputs raise ``TypeError``).
         argnums: which positional argument(s) to differentiate (int or tuple of ints).
         chunk_size: how many rows of the Jacobian are computed at once (a positive int).
         has_aux: whether ``fun`` returns ``(output, aux)``.
@@ -94,7 +108,7 @@ def jacrev(
             out, pullback, aux = jax.vjp(f, *dyn, has_aux=True)
         else:
             out, pullback = jax.vjp(f, *dyn)
-        _check_float(out, where, "outputs")
+        _check_float(out, where, "outputs", real=True)
         flat_out, unravel = ravel_pytree(out)
         m = flat_out.size
         rows = vmap(
@@ -109,7 +123,7 @@ def jacrev(
                 )
             )
             offset += o.size
-        blocks = [b[0] if isinstance(argnums, int) else b for b in blocks]
+        blocks = [b[0] if _is_int(argnums) else b for b in blocks]
         result = jax.tree_util.tree_unflatten(out_tree, blocks)
         return (result, aux) if has_aux else result
 
@@ -126,7 +140,8 @@ def jacfwd(
     """``jax.jacfwd`` that pushes ``chunk_size`` input basis vectors forward at a time.
 
     Args:
-        fun: function of pytrees of float arrays, returning a pytree of float arrays.
+        fun: function of pytrees of real float arrays (as for ``jax.jacfwd``; complex inputs
+            raise ``TypeError``), returning a pytree of float arrays.
         argnums: which positional argument(s) to differentiate (int or tuple of ints).
         chunk_size: how many columns of the Jacobian are computed at once (a positive int).
         has_aux: whether ``fun`` returns ``(output, aux)``.
@@ -148,7 +163,7 @@ def jacfwd(
     def jac(*args: Any, **kwargs: Any) -> Any:
         nums = _check_argnums(argnums, len(args), where)
         dyn = tuple(args[i] for i in nums)
-        _check_float(dyn, where, "arguments")
+        _check_float(dyn, where, "arguments", real=True)
         f = _partial_args(fun, args, kwargs, nums)
         if has_aux:
             out, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
@@ -169,7 +184,7 @@ def jacfwd(
                 parts.append(c[..., offset : offset + size].reshape(c.shape[:-1] + jnp.shape(leaf)))
                 offset += size
             tree = jax.tree_util.tree_unflatten(in_tree, parts)
-            return tree[0] if isinstance(argnums, int) else tree
+            return tree[0] if _is_int(argnums) else tree
 
         result = jax.tree_util.tree_map(split, cols)
         return (result, aux) if has_aux else result

@@ -216,14 +216,27 @@ class _VMapped(_Chunked):
         self.out_axes = check_out_axes_spec(out_axes, self.where)
 
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
-        return jax.vmap(
+        vmapped = functools.partial(
+            jax.vmap,
             self.fun,
             in_axes=self.in_axes,
-            out_axes=self.out_axes,
             axis_name=self.axis_name,
             axis_size=self.axis_size,
             spmd_axis_name=self.spmd_axis_name,
-        )(*args, **kwargs)
+        )
+        try:
+            return vmapped(out_axes=self.out_axes)(*args, **kwargs)
+        except ValueError:
+            # A bad `out_axes` gets the same message as on the chunked path; any other error
+            # (from `fun` itself) is jax.vmap's, re-raised as is.
+            try:
+                shapes = jax.eval_shape(vmapped(out_axes=0), *args, **kwargs)
+            except Exception:
+                shapes = None
+            if shapes is not None:
+                per_example = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes)
+                flat_out_axes(self.out_axes, per_example, self.where)
+            raise
 
     def _combine(self, flat_fun, leaves, axes, plan, out_shapes):
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
@@ -277,7 +290,9 @@ def vmap(
     vectorised with ``jax.vmap``. With ``remat=True`` (default) each chunk is wrapped in
     ``jax.checkpoint``, so under ``grad``/``vjp``/``hessian`` the backward pass stores only the
     chunk inputs and recomputes one chunk at a time: temp memory is bounded by the chunk, not by
-    ``n``. ``chunk_size=None`` or ``chunk_size >= n`` is exactly ``jax.vmap``.
+    ``n`` (apart from the per-example outputs themselves and, when ``n % chunk_size != 0``, one
+    copy of the mapped inputs' first ``n - n % chunk_size`` elements, made to reshape them into
+    chunks). ``chunk_size=None`` or ``chunk_size >= n`` is exactly ``jax.vmap``.
 
     Tracing: when chunking, ``fun`` is traced once abstractly on one example (output shapes,
     collectives), once at ``chunk_size`` and, if ``n % chunk_size != 0``, once at the remainder
