@@ -364,8 +364,18 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
         >>> chunkop.map(lambda x: x.sum(), jnp.ones((7, 3)), chunk_size=2)
         Array([3., 3., 3., 3., 3., 3., 3.], dtype=float32)
     """
-    check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
-    mapped = _Mapped(
+    chunk_size = check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
+    try:
+        mapped = _mapped_for(f, chunk_size, remat)
+    except TypeError:  # unhashable f or policy: no cache
+        mapped = _mapped_for.__wrapped__(f, chunk_size, remat)
+    return mapped(xs)
+
+
+@functools.lru_cache(maxsize=64)
+def _mapped_for(f: Callable, chunk_size: int, remat: Remat) -> _Mapped:
+    """One wrapper (and so one compiled chunk loop) per ``(f, chunk_size, remat)``: repeated
+    eager ``chunkop.map`` calls with the same ``f`` do not recompile."""
+    return _Mapped(
         f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat
     )
-    return mapped(xs)
