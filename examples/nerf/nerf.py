@@ -40,6 +40,8 @@ class Config:
     depth: int = 3  # hidden layers
     chunk: int = 1024  # rays per chunk (chunkop / lax.map batch size)
     background: float = 0.0  # colour of rays that leave the scene (the procedural scene's sky)
+    density_bias: float = 2.0  # density = scale * softplus(raw - bias): starts thin, not foggy
+    density_scale: float = 10.0
 
 
 # ==============================================================================================
@@ -205,7 +207,7 @@ def mlp(params, x: jax.Array, cfg: Config) -> tuple[jax.Array, jax.Array]:
         h = jax.nn.relu(h @ w + b)
     w, b = params[-1]
     out = h @ w + b
-    sigma = jax.nn.softplus(out[..., 0] - 1.0) * 10.0
+    sigma = jax.nn.softplus(out[..., 0] - cfg.density_bias) * cfg.density_scale
     rgb = jax.nn.sigmoid(out[..., 1:])
     return sigma, rgb
 

@@ -57,6 +57,27 @@ def _check_rows(rows: Any) -> int:
     return first[1]
 
 
+def _check_closure(row_fn: Callable, rows: Any, in_structure: Any) -> None:
+    """Refuse a ``row_fn`` that closes over traced values (``UnexpectedTracerError``).
+
+    The kernels are compiled once per ``row_fn`` and their derivative rules only see ``rows``
+    and ``x``: a closed-over tracer (of ``jit``, ``vmap``, ``grad``...) would leak into them, or
+    its derivative would be silently lost. Such values must be passed through ``rows``.
+    """
+    row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows)
+    try:
+        consts = jax.make_jaxpr(row_fn)(row0, in_structure).consts
+    except Exception:  # noqa: BLE001  (a row_fn that fails here fails again, with its own error, when used)
+        return
+    if any(isinstance(c, jax.core.Tracer) for c in consts):
+        raise jax.errors.UnexpectedTracerError(
+            "RowOperator: `row_fn` closes over a traced value (a tracer of jax.jit/vmap/grad/...); "
+            "its derivative would be lost and it would leak into the compiled kernels. Pass such "
+            "values through `rows` (e.g. broadcast to a leading axis of n_rows) instead of "
+            "closing over them."
+        )
+
+
 class AbstractRowOperator(lx.AbstractLinearOperator):
     """Shared parts of :class:`RowOperator` and its transpose (not for direct use).
 
@@ -168,6 +189,7 @@ class RowOperator(AbstractRowOperator):
         chunk_size = check_chunk_size(chunk_size, allow_none=False, where="RowOperator")
         _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
+        _check_closure(row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)))
         self.rows = rows
         self.spec = _rows.Spec(row_fn, chunk_size, in_leaves, in_tree)
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))

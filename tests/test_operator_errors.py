@@ -1,0 +1,271 @@
+"""Bad input to ``RowOperator`` fails early with a message that says what was expected and got;
+``chunkop.check_linear`` passes linear operators and rejects non-linear ``row_fn``s.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+import pytest
+
+import chunkop
+
+NPIX, K, N = 7, 4, 10
+STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
+
+
+def los_row(r, x):
+    bounds = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
+    w = -jnp.diff(jnp.exp(-(r["d"] - bounds) / (r["d"] * r["s"] * bounds)))
+    return jnp.dot(w, x[r["idx"]])
+
+
+def make_rows(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "idx": jnp.asarray(rng.integers(0, NPIX, n), dtype=jnp.int32),
+        "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=jnp.float32),
+        "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=jnp.float32),
+    }
+
+
+ROWS = make_rows()
+A = chunkop.RowOperator(los_row, ROWS, STRUCT, chunk_size=3)
+
+
+# -- vectors that do not match the operator's structures ----------------------------------------
+
+BAD_X = {
+    "shape": (jnp.zeros((NPIX, K + 1)), "float32[7, 5]"),
+    "rank": (jnp.zeros((NPIX * K,)), "float32[28]"),
+    "dtype_int": (jnp.zeros((NPIX, K), jnp.int32), "int32[7, 4]"),
+    "dtype_half": (jnp.zeros((NPIX, K), jnp.float16), "float16[7, 4]"),
+    "dtype_complex": (jnp.zeros((NPIX, K), jnp.complex64), "complex64[7, 4]"),
+    "tree_dict": ({"x": jnp.zeros((NPIX, K))}, "{'x': 'float32[7, 4]'}"),
+    "tree_tuple": ((jnp.zeros((NPIX, K)), jnp.zeros((NPIX, K))), "('float32[7, 4]', 'float32[7, 4]')"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_X))
+def test_mv_rejects_mismatched_x(case):
+    x, got = BAD_X[case]
+    with pytest.raises(ValueError, match=r"RowOperator\.mv") as info:
+        A.mv(x)
+    msg = str(info.value)
+    assert "expected float32[7, 4]" in msg, msg
+    assert f"got {got}" in msg, msg
+
+
+def test_mv_rejects_mismatched_x_under_jit_and_vmap():
+    with pytest.raises(ValueError, match=re.escape("expected float32[7, 4], got float32[7, 5]")):
+        jax.jit(lambda x: A.mv(x))(jnp.zeros((NPIX, K + 1)))
+    # vmapping over an unbatched x: each example is a row of it
+    with pytest.raises(ValueError, match=re.escape("expected float32[7, 4], got float32[4]")):
+        jax.vmap(A.mv)(jnp.zeros((NPIX, K)))
+    # and a correct batch passes
+    assert jax.vmap(A.mv)(jnp.zeros((2, NPIX, K))).shape == (2, N)
+
+
+def test_mv_pytree_structure_mismatch_names_both():
+    struct = {"a": STRUCT, "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    Ap = chunkop.RowOperator(lambda r, x: los_row(r, x["a"]) + x["b"][0], ROWS, struct, chunk_size=4)
+    with pytest.raises(ValueError) as info:
+        Ap.mv({"a": jnp.zeros((NPIX, K)), "c": jnp.zeros(3)})
+    msg = str(info.value)
+    assert "expected {'a': 'float32[7, 4]', 'b': 'float32[3]'}" in msg, msg
+    assert "got {'a': 'float32[7, 4]', 'c': 'float32[3]'}" in msg, msg
+    with pytest.raises(ValueError, match=re.escape("got {'a': 'float32[7, 4]', 'b': 'float32[2]'}")):
+        Ap.mv({"a": jnp.zeros((NPIX, K)), "b": jnp.zeros(2)})
+
+
+BAD_Y = {
+    "shape": (jnp.zeros((N + 1,)), "float32[11]"),
+    "rank": (jnp.zeros((N, 1)), "float32[10, 1]"),
+    "dtype": (jnp.zeros((N,), jnp.int32), "int32[10]"),
+    "tree": ([jnp.zeros((N,))], "['float32[10]']"),
+    "x_instead_of_y": (jnp.zeros((NPIX, K)), "float32[7, 4]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_Y))
+def test_transpose_mv_rejects_mismatched_y(case):
+    y, got = BAD_Y[case]
+    with pytest.raises(ValueError, match=r"RowOperator\.T\.mv") as info:
+        A.T.mv(y)
+    msg = str(info.value)
+    assert "expected float32[10]" in msg, msg
+    assert f"got {got}" in msg, msg
+
+
+def test_numpy_and_python_inputs_are_accepted():
+    # NumPy float64 arrays are canonicalised to float32 (x64 is off), as jnp.asarray would.
+    assert A.mv(np.zeros((NPIX, K))).dtype == jnp.float32
+    assert A.T.mv(np.zeros(N)).dtype == jnp.float32
+
+
+# -- construction -------------------------------------------------------------------------------
+
+
+def test_rows_with_different_leading_sizes_name_both_leaves():
+    rows = {**ROWS, "s": ROWS["s"][:-1]}
+    with pytest.raises(ValueError) as info:
+        chunkop.RowOperator(los_row, rows, STRUCT, chunk_size=3)
+    msg = str(info.value)
+    assert "rows['d'] has 10 rows" in msg and "rows['s'] has 9" in msg, msg
+
+
+def test_rows_nested_leaf_paths_in_message():
+    rows = {"a": (jnp.zeros(5), jnp.zeros((5, 2))), "b": [jnp.zeros((4, 3))]}
+    with pytest.raises(ValueError, match=re.escape("rows['a'][0] has 5 rows but rows['b'][0] has 4")):
+        chunkop.RowOperator(lambda r, x: x[0], rows, STRUCT, chunk_size=3)
+
+
+def test_rows_scalar_leaf_and_empty_rows():
+    with pytest.raises(ValueError, match=re.escape("rows['w'] is")):
+        chunkop.RowOperator(lambda r, x: x[0, 0], {"i": jnp.zeros(3), "w": jnp.float32(1.0)}, STRUCT, chunk_size=2)
+    with pytest.raises(ValueError, match="leading row axis"):
+        chunkop.RowOperator(lambda r, x: x[0, 0], {"i": jnp.zeros(3), "w": 2.0}, STRUCT, chunk_size=2)
+    with pytest.raises(ValueError, match="at least one array leaf"):
+        chunkop.RowOperator(lambda r, x: x[0, 0], {}, STRUCT, chunk_size=2)
+
+
+@pytest.mark.parametrize(
+    "chunk, exc, pattern",
+    [
+        (0, ValueError, "positive int, got 0"),
+        (-1, ValueError, "positive int, got -1"),
+        (2.5, TypeError, "got 2.5 of type float"),
+        (True, TypeError, "got True of type bool"),
+        (None, TypeError, "required and must be a positive int, got None"),
+        ("4", TypeError, "got '4' of type str"),
+        (np.float32(4.0), TypeError, "of type float32"),
+    ],
+)
+def test_invalid_chunk_size(chunk, exc, pattern):
+    with pytest.raises(exc, match=re.escape(pattern)) as info:
+        chunkop.RowOperator(los_row, ROWS, STRUCT, chunk_size=chunk)
+    assert "RowOperator" in str(info.value) and "chunk_size" in str(info.value)
+
+
+def test_chunk_size_is_keyword_only_and_required():
+    with pytest.raises(TypeError):
+        chunkop.RowOperator(los_row, ROWS, STRUCT, 3)  # noqa
+    with pytest.raises(TypeError):
+        chunkop.RowOperator(los_row, ROWS, STRUCT)  # noqa
+
+
+def test_bad_row_fn_and_in_structure():
+    with pytest.raises(TypeError, match="must be callable"):
+        chunkop.RowOperator("not a function", ROWS, STRUCT, chunk_size=3)
+    with pytest.raises(TypeError, match="float arrays, got dtype int32"):
+        chunkop.RowOperator(los_row, ROWS, jax.ShapeDtypeStruct((NPIX, K), jnp.int32), chunk_size=3)
+    with pytest.raises(TypeError, match="ShapeDtypeStruct"):
+        chunkop.RowOperator(los_row, ROWS, (NPIX, K), chunk_size=3)
+
+
+def test_symmetric_tags_need_matching_structures():
+    """lineax itself rejects a symmetric/PSD tag on an operator whose in/out structures differ."""
+    with pytest.raises(ValueError, match="matching input and output"):
+        chunkop.RowOperator(los_row, ROWS, STRUCT, chunk_size=3, tags=lx.symmetric_tag)
+
+
+def test_row_fn_errors_surface_at_first_use():
+    """A ``row_fn`` that does not fit the rows fails when the output structure is first needed."""
+    bad = chunkop.RowOperator(lambda r, x: r["missing"] * x[0, 0], ROWS, STRUCT, chunk_size=3)
+    with pytest.raises(KeyError):
+        bad.out_structure()
+    with pytest.raises(KeyError):
+        bad.mv(jnp.zeros((NPIX, K)))
+
+
+# -- check_linear -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_check_linear_passes_for_linear_operators(transposed):
+    errors = chunkop.check_linear(A.T if transposed else A)
+    assert set(errors) == {"zero", "superposition", "matvec", "adjoint"}
+    assert all(0.0 <= e < 1e-5 for e in errors.values()), errors
+    # pytree input and output, another key, a tolerance
+    struct = {"a": STRUCT, "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
+    Ap = chunkop.RowOperator(lambda r, x: {"p": los_row(r, x["a"]), "q": r["s"] * x["b"]}, ROWS, struct, chunk_size=4)
+    errors = chunkop.check_linear(Ap, key=jax.random.key(3), rtol=1e-4)
+    assert max(errors.values()) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name, row_fn, pattern",
+    [
+        ("exp", lambda r, x: jnp.exp(los_row(r, x)), r"not linear in x: A\(0\) = .* is not 0"),
+        ("affine", lambda r, x: los_row(r, x) + 1.0, r"not linear in x: A\(0\) = .* is not 0"),
+        ("square", lambda r, x: los_row(r, x) ** 2, r"not linear in x: A\(a x1 \+ b x2\) differs from a A\(x1\) \+ b A\(x2\)"),
+        ("abs", lambda r, x: jnp.abs(los_row(r, x)), r"not linear in x: A\(a x1 \+ b x2\) differs"),
+        ("weights_from_x", lambda r, x: los_row(r, x) * jnp.sum(x), r"A\(a x1 \+ b x2\) differs"),
+    ],
+)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_check_linear_rejects_non_linear_row_fn(name, row_fn, pattern, transposed):
+    bad = chunkop.RowOperator(row_fn, ROWS, STRUCT, chunk_size=3)
+    with pytest.raises(ValueError, match=pattern) as info:
+        chunkop.check_linear(bad.T if transposed else bad)
+    assert str(info.value).startswith("check_linear:")
+
+
+def test_check_linear_rejects_a_row_fn_the_kernels_cannot_apply():
+    """``stop_gradient(x)`` is linear in value, but has no derivative: the operator's kernels
+    (built from ``row_fn``'s linearisation) cannot apply it, and check_linear says so."""
+    bad = chunkop.RowOperator(lambda r, x: jax.lax.stop_gradient(los_row(r, x)), ROWS, STRUCT, chunk_size=3)
+    with pytest.raises(ValueError, match=r"check_linear: (operator\.mv\(x\) differs|<A x, y>)"):
+        chunkop.check_linear(bad)
+
+
+# -- row_fn closing over traced values ----------------------------------------------------------
+
+
+def _scaled_op(scale):
+    return chunkop.RowOperator(lambda r, x: scale * los_row(r, x), ROWS, STRUCT, chunk_size=3)
+
+
+def _loss_through_closure(scale):
+    return jnp.sum(_scaled_op(scale).mv(jnp.ones((NPIX, K))))
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [
+        lambda f: jax.grad(f)(2.0),
+        lambda f: jax.jit(jax.grad(f))(2.0),  # once silently 0.0
+        lambda f: jax.jvp(f, (2.0,), (1.0,)),
+        lambda f: jax.jacfwd(f)(2.0),
+        lambda f: jax.vmap(jax.grad(f))(jnp.ones(2)),
+    ],
+    ids=["grad", "jit_grad", "jvp", "jacfwd", "vmap_grad"],
+)
+def test_row_fn_closing_over_a_differentiated_value_is_refused(transform):
+    """The kernels' derivative rules see only ``rows`` and ``x``: the derivative w.r.t. a value
+    ``row_fn`` closes over would be lost, so construction refuses it (pass it through ``rows``)."""
+    with pytest.raises(jax.errors.UnexpectedTracerError, match="closes over a traced value"):
+        transform(_loss_through_closure)
+
+
+def test_row_fn_closing_over_jit_and_vmap_values_is_refused_and_rows_work():
+    x = jnp.ones((NPIX, K))
+    expected = jax.vmap(los_row, (0, None))(ROWS, x)
+    # a closure over a jit/vmap tracer would leak into the compiled kernels: refused up front
+    with pytest.raises(jax.errors.UnexpectedTracerError, match="Pass such values through `rows`"):
+        jax.jit(lambda c: _scaled_op(c).mv(x))(2.0)
+    with pytest.raises(jax.errors.UnexpectedTracerError, match="closes over a traced value"):
+        jax.vmap(lambda c: _scaled_op(c).mv(x))(jnp.asarray([1.0, 3.0]))
+    # closing over a concrete value is fine
+    np.testing.assert_allclose(_scaled_op(2.0).mv(x), 2.0 * expected, rtol=1e-6)
+    # and the supported way to differentiate w.r.t. such a value: pass it through rows
+    def loss(c):
+        rows = {**ROWS, "c": jnp.full((N,), c)}
+        A = chunkop.RowOperator(lambda r, x: r["c"] * los_row(r, x), rows, STRUCT, chunk_size=3)
+        return jnp.sum(A.mv(x))
+
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(2.0), jnp.sum(expected), rtol=1e-5)
