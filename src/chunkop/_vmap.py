@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -98,6 +99,25 @@ def _uses_axis(jaxpr: Any, name: Hashable) -> str | None:
 # The shared machinery of every chunked transform: argument resolution, caching, tracing.
 
 
+_SHARED_JITS: collections.OrderedDict = collections.OrderedDict()
+_MAX_SHARED_JITS = 256
+
+
+def _shared_jit(config: tuple, make: Callable[[], Callable]) -> Callable:
+    """A least-recently-used cache of jitted chunk loops, keyed by a wrapper's configuration."""
+    try:
+        hash(config)
+    except TypeError:  # e.g. a dict in in_axes: this wrapper keeps its own jit
+        return make()
+    if config in _SHARED_JITS:
+        _SHARED_JITS.move_to_end(config)
+        return _SHARED_JITS[config]
+    jitted = _SHARED_JITS[config] = make()
+    if len(_SHARED_JITS) > _MAX_SHARED_JITS:
+        _SHARED_JITS.popitem(last=False)
+    return jitted
+
+
 class _Chunked:
     """A ``fun`` mapped over an axis in chunks. Subclasses define how chunk outputs combine."""
 
@@ -124,8 +144,25 @@ class _Chunked:
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
         self.remat = _check_remat(remat, self.where)
-        # One jit per wrapper: repeated eager calls reuse the compiled chunk loop.
-        self._jitted = jax.jit(self._run, static_argnums=(1,))
+        self._jit: Callable | None = None  # made on first chunked call (see `_jitted`)
+
+    def _config(self) -> tuple:
+        """Everything that determines the computation besides the call's arguments."""
+        return (
+            type(self), self.fun, self.in_axes, getattr(self, "out_axes", None), self.chunk_size,
+            self.axis_name, self.axis_size, self.spmd_axis_name, self.remat,
+        )
+
+    @property
+    def _jitted(self) -> Callable:
+        """The jitted chunk loop, shared by every wrapper with the same configuration.
+
+        ``chunkop.vmap(f, chunk_size=c)(x)`` written inside a Python loop builds a new wrapper
+        each time; sharing the jit by configuration means it still compiles only once.
+        """
+        if self._jit is None:
+            self._jit = _shared_jit(self._config(), lambda: jax.jit(self._run, static_argnums=(1,)))
+        return self._jit
 
     # -- per call ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
