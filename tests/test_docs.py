@@ -131,17 +131,6 @@ def test_docstring_examples(name):
     assert results.failed == 0, out.getvalue()
 
 
-_NO_EXAMPLE_YET = {"TransposedRowOperator"}  # reported to the lead: its docstring has no Example
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason="docstring has no Example yet", strict=False))
-        if n in _NO_EXAMPLE_YET
-        else n
-        for n in PUBLIC
-    ],
-)
+@pytest.mark.parametrize("name", PUBLIC)
 def test_public_objects_have_examples(name):
     assert sum(len(t.examples) for t in _doctests(name)) > 0, f"chunkop.{name} has no docstring example"
