@@ -82,3 +82,13 @@ def primitive_names(jaxpr) -> set[str]:
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+def make_los_rows(n: int, npix: int, seed: int = 0) -> dict:
+    """Line-of-sight row data for the operator tests: pixel index, distance ``d``, uncertainty ``s``."""
+    rng = np.random.default_rng(seed)
+    return {
+        "idx": jnp.asarray(rng.integers(0, npix, n), dtype=jnp.int32),
+        "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=jnp.float32),
+        "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=jnp.float32),
+    }

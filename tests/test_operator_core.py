@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, make_los_rows
 from jax.flatten_util import ravel_pytree
 
 import chunkop
@@ -34,12 +34,7 @@ def los_row(r, x):
 
 
 def make_rows(n=N, seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "idx": jnp.asarray(rng.integers(0, NPIX, n), dtype=jnp.int32),
-        "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=jnp.float32),
-        "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=jnp.float32),
-    }
+    return make_los_rows(n, NPIX, seed)
 
 
 def _rand(*shape, seed=0):

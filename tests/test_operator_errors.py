@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import chunkop
+from conftest import make_los_rows
 
 NPIX, K, N = 7, 4, 10
 STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
@@ -25,12 +26,7 @@ def los_row(r, x):
 
 
 def make_rows(n=N, seed=0):
-    rng = np.random.default_rng(seed)
-    return {
-        "idx": jnp.asarray(rng.integers(0, NPIX, n), dtype=jnp.int32),
-        "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=jnp.float32),
-        "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=jnp.float32),
-    }
+    return make_los_rows(n, NPIX, seed)
 
 
 ROWS = make_rows()

@@ -51,6 +51,16 @@ def _partial_args(fun: Callable, args: tuple, kwargs: dict, nums: tuple[int, ...
     return f
 
 
+def _differentiated(
+    fun: Callable, args: tuple, kwargs: dict, argnums: Any, where: str, real: bool
+) -> tuple[Callable, tuple]:
+    """Check ``argnums`` and the differentiated arguments; ``fun`` as a function of those alone."""
+    nums = _check_argnums(argnums, len(args), where)
+    dyn = tuple(args[i] for i in nums)
+    _check_float(dyn, where, "arguments", real=real)
+    return _partial_args(fun, args, kwargs, nums), dyn
+
+
 def _basis(i: jax.Array, size: int, dtype: Any, unravel: Callable) -> Any:
     # A comparison rather than `zeros(size).at[i].set(1)`: the latter fails to trace for size 0.
     return unravel((jnp.arange(size) == i).astype(dtype))
@@ -100,10 +110,7 @@ def jacrev(
 
     @functools.wraps(fun)
     def jac(*args: Any, **kwargs: Any) -> Any:
-        nums = _check_argnums(argnums, len(args), where)
-        dyn = tuple(args[i] for i in nums)
-        _check_float(dyn, where, "arguments")
-        f = _partial_args(fun, args, kwargs, nums)
+        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=False)
         if has_aux:
             out, pullback, aux = jax.vjp(f, *dyn, has_aux=True)
         else:
@@ -161,10 +168,7 @@ def jacfwd(
 
     @functools.wraps(fun)
     def jac(*args: Any, **kwargs: Any) -> Any:
-        nums = _check_argnums(argnums, len(args), where)
-        dyn = tuple(args[i] for i in nums)
-        _check_float(dyn, where, "arguments", real=True)
-        f = _partial_args(fun, args, kwargs, nums)
+        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=True)
         if has_aux:
             out, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
         else:
