@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import collections
 import functools
 from collections.abc import Callable, Hashable
@@ -118,7 +119,7 @@ def _shared_jit(config: tuple, make: Callable[[], Callable]) -> Callable:
     return jitted
 
 
-class _Chunked:
+class _Chunked(abc.ABC):
     """A ``fun`` mapped over an axis in chunks. Subclasses define how chunk outputs combine."""
 
     where = "chunkop.vmap"
@@ -180,11 +181,13 @@ class _Chunked:
             return self._run(dyn, key)
         return self._jitted(dyn, key)
 
+    @abc.abstractmethod
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """The result when nothing is chunked (``chunk_size`` is None or >= the axis size)."""
 
+    @abc.abstractmethod
     def _combine(self, flat_fun: Callable, leaves: list, axes: list, plan: ChunkPlan, out_shapes: Any) -> Any:
-        raise NotImplementedError  # pragma: no cover - abstract
+        """Run the chunks of ``plan`` and combine their outputs (stack, sum, ...)."""
 
     def _vmapped(self, fn: Callable, in_axes: tuple, out_axes: Any, size: int) -> Callable:
         return jax.vmap(
