@@ -20,7 +20,7 @@ import pytest
 import chunkop
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-MARKDOWN = sorted(DOCS.glob("*.md"))
+MARKDOWN = sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"]
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _OPENING = re.compile(r"^[ \t]*```+[ \t]*python\b", re.MULTILINE)
 PUBLIC = [name for name in chunkop.__all__ if name != "__version__"]

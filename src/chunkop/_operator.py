@@ -10,9 +10,11 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from . import _rows
 from ._axes import check_chunk_size
+from ._vmap import vmap
 
 __all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
 
@@ -302,10 +304,6 @@ def linear_jacobian(f: Callable[[jax.Array], jax.Array], flat_x: jax.Array) -> j
 
 def _dense(op: AbstractRowOperator) -> jax.Array:
     """Chunked dense materialisation (used by ``as_matrix``)."""
-    from jax.flatten_util import ravel_pytree
-
-    from ._vmap import vmap
-
     base = op if isinstance(op, RowOperator) else op.operator
     x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), base.in_structure())
     flat_x, unravel_x = ravel_pytree(x0)
