@@ -90,13 +90,14 @@ def test_unbounded_baselines_grow(mapper):
     assert temp_bytes("grad", mapper, LARGE) > 50 * temp_bytes("grad", "chunkop", LARGE)
 
 
-def test_remainder_costs_at_most_one_copy_of_the_mapped_inputs():
-    """Documented: with n % chunk_size != 0 the first n - n % chunk_size rows of each mapped
-    input are copied once (XLA cannot reshape a slice in place); nothing else grows."""
+def test_remainder_does_not_copy_the_mapped_inputs():
+    """With n % chunk_size != 0 the full chunks are read by index inside the checkpoint: no copy
+    of the inputs (one would be LARGE * 129 * 4 bytes, about 32 MiB); only the remainder's own chunk
+    and the (n,) loss vector are added."""
     n = LARGE + 100
     x, y = data(n)
     f = jax.grad(lambda p, x, y: chunkop.vmap(loss, (None, 0, 0), chunk_size=CHUNK)(p, x, y).sum())
     with_rem = jax.jit(f).lower(PARAMS, x, y).compile().memory_analysis().temp_size_in_bytes
-    copy = LARGE * (SIZES[0] * 4 + 4)  # x[:cut] and y[:cut]
+    copy = LARGE * (SIZES[0] * 4 + 4)  # what x[:cut] and y[:cut] would cost
     base = temp_bytes("grad", "chunkop", LARGE)
-    assert with_rem <= base + 1.1 * copy, (base / 2**20, with_rem / 2**20)
+    assert with_rem <= base + 0.1 * copy, (base / 2**20, with_rem / 2**20)

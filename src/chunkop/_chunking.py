@@ -5,10 +5,14 @@ A mapped axis of size ``n`` is cut into ``n // chunk`` full chunks, run by one
 inputs and recomputes each chunk's intermediates), followed by one remainder chunk of
 ``n % chunk`` elements, computed by a second call of the same chunk function at that size.
 No padding is used: padded rows can poison gradients (``log(0)``), and clamped dynamic slices
-silently re-read rows; a separately traced remainder has neither problem. The price: when
-``n % chunk != 0`` the first ``n - n % chunk`` rows of each mapped input are sliced off before
-the reshape, and XLA materialises that slice (one copy of the mapped inputs, as in
-``jax.lax.map(..., batch_size=...)``); when ``chunk`` divides ``n`` the reshape is free.
+silently re-read rows; a separately traced remainder has neither problem.
+
+How the scan reads its chunks: when ``chunk`` divides ``n`` (or without ``remat``) the mapped
+inputs are reshaped to ``(n // chunk, chunk, ...)`` and scanned over, which is free. When it
+does not, slicing off the first ``n - n % chunk`` rows for that reshape would copy the inputs,
+so the scan runs over chunk indices instead and each chunk is read with an in-bounds
+``lax.dynamic_slice`` *inside* the checkpointed body: nothing is copied, and reverse mode saves
+only the index.
 """
 
 from __future__ import annotations
@@ -48,18 +52,29 @@ def rematerialise(fn: Callable, remat: Remat) -> Callable:
     return jax.checkpoint(fn, prevent_cse=False, policy=policy)
 
 
-def _split(x: jax.Array, plan: ChunkPlan) -> tuple[jax.Array, jax.Array | None]:
-    """``x`` (leading axis ``plan.size``) as ``(n_full, chunk, ...)`` full chunks and a remainder."""
+def _full_chunks(
+    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat
+) -> tuple[Any, Callable[[Any], Any]]:
+    """What the scan runs over, and the (rematerialised) body applied to one item of it."""
+    if plan.rem == 0 or remat is False:  # (without remat the residuals cost far more than a copy)
+        cut = plan.n_full * plan.chunk
+        xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
+        return xs, rematerialise(lambda chunk: chunk_fn(list(chunk), plan.chunk), remat)
+
+    def read_and_apply(i: jax.Array) -> Any:
+        start = i * plan.chunk  # in bounds: start + chunk <= n_full * chunk < n, so no clamping
+        chunk = [jax.lax.dynamic_slice_in_dim(x, start, plan.chunk, axis=0) for x in mapped]
+        return chunk_fn(chunk, plan.chunk)
+
+    return jnp.arange(plan.n_full, dtype=jnp.int32), rematerialise(read_and_apply, remat)
+
+
+def _remainder(
+    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat
+) -> Any:
+    """``chunk_fn`` on the last ``n % chunk`` elements (only called when there are some)."""
     cut = plan.n_full * plan.chunk
-    main = x[:cut] if plan.rem else x
-    main = main.reshape((plan.n_full, plan.chunk) + x.shape[1:])
-    rem = x[cut:] if plan.rem else None
-    return main, rem
-
-
-def _split_all(mapped: Sequence[jax.Array], plan: ChunkPlan) -> tuple[list, list]:
-    pairs = [_split(x, plan) for x in mapped]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+    return rematerialise(lambda rest: chunk_fn(list(rest), plan.rem), remat)([x[cut:] for x in mapped])
 
 
 def stack_chunks(
@@ -84,18 +99,17 @@ def stack_chunks(
         ``(ys_full, ys_rem, zs)``: ``ys_full`` leaves have shape ``(n_full, *chunk_out_shape)``;
         ``ys_rem`` is the remainder chunk's ``ys`` (None when ``n % chunk == 0``).
     """
-    main, rem = _split_all(mapped, plan)
-    full_fn = rematerialise(lambda xs: chunk_fn(xs, plan.chunk), remat)
+    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
 
-    def body(carry: list, xs: list) -> tuple[list, list]:
-        ys, zs = full_fn(xs)
+    def body(carry: list, item: Any) -> tuple[list, list]:
+        ys, zs = full_fn(item)
         return list(zs), list(ys)
 
     init = [jnp.zeros(z.shape, z.dtype) for z in carried_like]
-    zs, ys_full = jax.lax.scan(body, init, main, length=plan.n_full)
+    zs, ys_full = jax.lax.scan(body, init, xs, length=plan.n_full)
     ys_rem = None
     if plan.rem:
-        ys_rem, zs = rematerialise(lambda xs: chunk_fn(xs, plan.rem), remat)(rem)
+        ys_rem, zs = _remainder(chunk_fn, mapped, plan, remat)
         ys_rem, zs = list(ys_rem), list(zs)
     return ys_full, ys_rem, zs
 
@@ -112,14 +126,12 @@ def sum_chunks(
     Only the running sum is carried, so neither the forward pass nor (with ``remat``) the
     backward pass holds per-element outputs.
     """
-    main, rem = _split_all(mapped, plan)
-    full_fn = rematerialise(lambda xs: chunk_fn(xs, plan.chunk), remat)
+    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
 
-    def body(acc: Any, xs: list) -> tuple[Any, None]:
-        return jax.tree_util.tree_map(jnp.add, acc, full_fn(xs)), None
+    def body(acc: Any, item: Any) -> tuple[Any, None]:
+        return jax.tree_util.tree_map(jnp.add, acc, full_fn(item)), None
 
-    acc, _ = jax.lax.scan(body, init, main, length=plan.n_full)
+    acc, _ = jax.lax.scan(body, init, xs, length=plan.n_full)
     if plan.rem:
-        part = rematerialise(lambda xs: chunk_fn(xs, plan.rem), remat)(rem)
-        acc = jax.tree_util.tree_map(jnp.add, acc, part)
+        acc = jax.tree_util.tree_map(jnp.add, acc, _remainder(chunk_fn, mapped, plan, remat))
     return acc

@@ -330,9 +330,10 @@ def vmap(
     vectorised with ``jax.vmap``. With ``remat=True`` (default) each chunk is wrapped in
     ``jax.checkpoint``, so under ``grad``/``vjp``/``hessian`` the backward pass stores only the
     chunk inputs and recomputes one chunk at a time: temp memory is bounded by the chunk, not by
-    ``n`` (apart from the per-example outputs themselves and, when ``n % chunk_size != 0``, one
-    copy of the mapped inputs' first ``n - n % chunk_size`` elements, made to reshape them into
-    chunks). ``chunk_size=None`` or ``chunk_size >= n`` is exactly ``jax.vmap``.
+    ``n`` (apart from the per-example outputs themselves). When ``n % chunk_size != 0`` the scan
+    reads each full chunk with an in-bounds dynamic slice inside the checkpointed body, so the
+    inputs are not copied either. ``chunk_size=None`` or ``chunk_size >= n`` is exactly
+    ``jax.vmap``.
 
     Tracing: when chunking, ``fun`` is traced once abstractly on one example (output shapes,
     collectives), once at ``chunk_size`` and, if ``n % chunk_size != 0``, once at the remainder
