@@ -491,7 +491,7 @@ def plot(rows: list, path: Path) -> None:
     chunk = rows[0]["chunk"]
     for r in rows:
         if r["method"] == "chunkop" and r["mode"] == "grad" and r["n"] > chunk and r["n"] % chunk:
-            axes[0].annotate(f"N % {chunk} != 0:\nremainder chunk,\ninputs sliced (copied)", (r["n"], r["temp_bytes"] / MiB),
+            axes[0].annotate(f"N % {chunk} != 0:\nremainder chunk,\nread by index (no copy)", (r["n"], r["temp_bytes"] / MiB),
                              textcoords="offset points", xytext=(8, 14), fontsize=7, color="C3",
                              arrowprops={"arrowstyle": "->", "color": "C3", "lw": 0.7})
     for ax, _, _, title, ylabel in panels:
