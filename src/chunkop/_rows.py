@@ -51,10 +51,6 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _n_rows(rows: Any) -> int:
-    return jax.tree_util.tree_leaves(rows)[0].shape[0]
-
-
 def _row_tangent(row: Any, drow_floats: list) -> Any:
     """A tangent for ``row`` (one row or a chunk): given tangents on float leaves, float0 elsewhere."""
     leaves, tree = jax.tree_util.tree_flatten(row)
@@ -64,10 +60,6 @@ def _row_tangent(row: Any, drow_floats: list) -> Any:
         for leaf in leaves
     ]
     return jax.tree_util.tree_unflatten(tree, tangents)
-
-
-def _float_leaves(rows: Any) -> list:
-    return [leaf for leaf in jax.tree_util.tree_leaves(rows) if _is_float(leaf)]
 
 
 def _stack_rows(spec: Spec, per_chunk: Callable, mapped: list) -> Any:
