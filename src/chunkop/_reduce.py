@@ -27,6 +27,7 @@ def _sum_dtype(dtype: Any) -> Any:
 class _Summed(_Chunked):
     where = "chunkop.sum"
     divide = False
+    shard_kind = "sum"
 
     def _finish(self, total: Any, n: int) -> Any:
         if not self.divide:
@@ -61,6 +62,7 @@ class _Summed(_Chunked):
 class _Averaged(_Summed):
     where = "chunkop.mean"
     divide = True
+    shard_kind = "mean"
 
 
 def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat) -> Callable:

@@ -21,6 +21,7 @@ from ._axes import (
     is_array_leaf,
     mapped_size,
 )
+from . import _sharding
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
 
 __all__ = ["vmap", "map"]
@@ -123,6 +124,7 @@ class _Chunked(abc.ABC):
     """A ``fun`` mapped over an axis in chunks. Subclasses define how chunk outputs combine."""
 
     where = "chunkop.vmap"
+    shard_kind = "stack"  # how per-device results combine (see _sharding.call_sharded)
 
     def __init__(
         self,
@@ -169,6 +171,9 @@ class _Chunked(abc.ABC):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef, axes, paths = flat_in_axes(self.in_axes, args, kwargs, self.where)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
+        sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
+        if sharded is not None:  # each device chunks its own shard (see _sharding)
+            return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
         if self.chunk_size is None or n <= self.chunk_size:
             return self._unchunked(args, kwargs)
         dynamic = [is_array_leaf(x) for x in leaves]
