@@ -12,7 +12,7 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from . import _rows
+from . import _rows, _sharding
 from ._axes import check_chunk_size
 from ._vmap import vmap
 
@@ -164,6 +164,7 @@ class RowOperator(AbstractRowOperator):
     rows: Any
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
+    mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _sharding)
 
     def __init__(
         self,
@@ -195,6 +196,7 @@ class RowOperator(AbstractRowOperator):
         self.rows = rows
         self.spec = _rows.Spec(row_fn, chunk_size, in_leaves, in_tree)
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
+        self.mesh_axes = _sharding.row_mesh(rows)
 
     def mv(self, vector: Any) -> Any:
         """``A x``: rows stacked along a leading axis of ``n_rows``.
@@ -206,6 +208,8 @@ class RowOperator(AbstractRowOperator):
             A pytree matching ``out_structure()``.
         """
         self._check_vector(vector, self._x_structure(), "RowOperator.mv")
+        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices
+            return _sharding.sharded_apply(_rows.apply, self.spec, self.rows, vector, mesh_axes)
         return _rows.apply(self.spec, self.rows, vector)
 
     def transpose(self) -> TransposedRowOperator:
@@ -218,11 +222,11 @@ class RowOperator(AbstractRowOperator):
 
     def in_structure(self) -> Any:
         """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
-        return self._x_structure()
+        return _sharding.with_sharding(self._x_structure(), self, rows=False)
 
     def out_structure(self) -> Any:
         """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``."""
-        return self._y_structure()
+        return _sharding.with_sharding(self._y_structure(), self, rows=True)
 
 
 class TransposedRowOperator(AbstractRowOperator):
@@ -270,6 +274,8 @@ class TransposedRowOperator(AbstractRowOperator):
             A pytree matching ``out_structure()`` (the original operator's input).
         """
         self._check_vector(vector, self._y_structure(), "RowOperator.T.mv")
+        if (mesh_axes := _sharding.operator_mesh(self.operator)) is not None:  # one psum of A^T y
+            return _sharding.sharded_apply_transpose(_rows.apply_transpose, self.spec, self.rows, vector, mesh_axes)
         return _rows.apply_transpose(self.spec, self.rows, vector)
 
     def transpose(self) -> RowOperator:
@@ -282,11 +288,11 @@ class TransposedRowOperator(AbstractRowOperator):
 
     def in_structure(self) -> Any:
         """The structure of ``y``: the original operator's output structure."""
-        return self._y_structure()
+        return self.operator.out_structure()
 
     def out_structure(self) -> Any:
         """The structure of ``A^T y``: the original operator's input structure."""
-        return self._x_structure()
+        return self.operator.in_structure()
 
 
 def linear_jacobian(f: Callable[[jax.Array], jax.Array], flat_x: jax.Array) -> jax.Array:

@@ -41,6 +41,8 @@ __all__ = [
     "mapped_mesh_axes",
     "call_sharded",
     "row_mesh",
+    "operator_mesh",
+    "with_sharding",
     "sharded_apply",
     "sharded_apply_transpose",
 ]
@@ -271,6 +273,56 @@ def row_mesh(rows: Any) -> MeshAxes | None:
     return mapped_mesh_axes(leaves, [0] * len(leaves), "RowOperator")
 
 
+def operator_mesh(op: Any) -> MeshAxes | None:
+    """The mesh axes a ``RowOperator``'s rows are sharded over: from the rows themselves, or as
+    recorded when the operator was built (under ``jax.jit`` on an Auto mesh, traced rows carry no
+    sharding; an operator built outside ``jit`` from sharded rows keeps it)."""
+    found = row_mesh(op.rows)
+    if found is None and not getattr(_LOCAL, "active", False):
+        found = getattr(op, "mesh_axes", None)
+    return found
+
+
+def _explicit(mesh_axes: MeshAxes) -> bool:
+    mesh = mesh_axes.mesh
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    return all(types.get(a) == jax.sharding.AxisType.Explicit for a in mesh_axes.names)
+
+
+def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
+    """On an Explicit mesh, reshard the leaves whose sharding type differs from ``specs``
+    (``shard_map`` requires the types to match; e.g. lineax may hand over replicated rows)."""
+    if not _explicit(mesh_axes):
+        return tree
+
+    def fix(x: Any, spec: P) -> Any:
+        s = _sharding_of(x)
+        have = tuple(s.spec) if s is not None else ()
+        want = tuple(spec)
+        pad = lambda t: t + (None,) * (max(len(have), len(want)) - len(t))  # noqa: E731
+        if pad(have) == pad(want):
+            return x
+        return jax.sharding.reshard(x, spec)
+
+    return jax.tree_util.tree_map(fix, tree, specs)
+
+
+def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
+    """A ``RowOperator``'s in/out structure with the sharding types of an Explicit mesh.
+
+    On an Explicit mesh ``jax.eval_shape`` of a vector reports its sharding, and lineax compares
+    structures with it: the row space (``rows=True``) is sharded like the rows, the x space is
+    replicated (``T.mv`` ends in a ``psum``). Unchanged when the rows are not sharded, or the
+    mesh axes are Auto.
+    """
+    mesh_axes = operator_mesh(op)
+    if mesh_axes is None or not _explicit(mesh_axes):
+        return structs
+    mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
+    sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if rows else P())
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), structs)
+
+
 def _check_even(n: int, mesh_axes: MeshAxes) -> None:
     if n % mesh_axes.n_shards:
         raise ValueError(
@@ -302,9 +354,12 @@ def sharded_apply(apply: Callable, spec: Any, rows: Any, x: Any, mesh_axes: Mesh
         with _inside_local():
             return apply(spec, r, v)
 
+    rows, x = _conform(rows, row_specs, mesh_axes), _conform(x, x_specs, mesh_axes)
+
     out_specs = _spec_at(0, names)
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(row_specs, x_specs), out_specs=out_specs, axis_names=set(names)
+        local, mesh=mesh_axes.mesh, in_specs=(row_specs, x_specs), out_specs=out_specs, axis_names=set(names),
+        check_vma=False,
     )(rows, x)
 
 
@@ -333,6 +388,9 @@ def sharded_apply_transpose(
             part = apply_transpose(spec, r, w)
         return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), part)
 
+    rows, y = _conform(rows, row_specs, mesh_axes), _conform(y, y_specs, mesh_axes)
+
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(row_specs, y_specs), out_specs=P(), axis_names=set(names)
+        local, mesh=mesh_axes.mesh, in_specs=(row_specs, y_specs), out_specs=P(), axis_names=set(names),
+        check_vma=False,
     )(rows, y)
