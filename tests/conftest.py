@@ -92,3 +92,34 @@ def make_los_rows(n: int, npix: int, seed: int = 0) -> dict:
         "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=jnp.float32),
         "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=jnp.float32),
     }
+
+
+class CompileCounter:
+    """Counts XLA backend compilations while active (``with CompileCounter() as c: ...; c.count``)."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = 0
+        self._active = False
+
+    def _listener(self, event, duration, **kwargs):
+        if self._active and event == self.EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        import jax.monitoring
+
+        if not getattr(CompileCounter, "_registered", None):
+            CompileCounter._registered = []
+            jax.monitoring.register_event_duration_secs_listener(
+                lambda event, duration, **kw: [c._listener(event, duration, **kw) for c in CompileCounter._registered]
+            )
+        CompileCounter._registered.append(self)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc):
+        self._active = False
+        CompileCounter._registered.remove(self)
+        return False

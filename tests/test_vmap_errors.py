@@ -314,5 +314,5 @@ def test_reduce_errors_name_the_transform():
         chunkop.sum(lambda a, b: a * b, chunk_size=2)(X, W)
     with pytest.raises(ValueError, match=r"chunkop\.mean: no argument is mapped"):
         chunkop.mean(lambda a: a, in_axes=None, chunk_size=2)(X)
-    with pytest.raises(TypeError, match=r"chunkop\.map: argument args\[0\]\['s'\] is mapped"):
+    with pytest.raises(TypeError, match=r"chunkop\.map: argument xs\['s'\] is mapped"):
         chunkop.map(lambda t: t["x"], {"x": X, "s": "str"}, chunk_size=2)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose, count_eqns, primitive_names
+from conftest import CompileCounter, assert_tree_allclose, count_eqns, primitive_names
 
 import chunkop
 
@@ -225,7 +225,9 @@ def test_program_size_flat_in_n(what):
     assert h2 <= 1.05 * h1, sizes  # only the digits of the shapes differ
 
 
-def test_trace_count_no_retrace_on_second_eager_call():
+def test_repeated_eager_calls_trace_once_and_compile_once():
+    """Each call traces `fun` once on one example (as jax.vmap traces it once); the compiled
+    chunk loop is reused by what was traced, so a second call with new values compiles nothing."""
     calls = []
 
     def fun(x, w):
@@ -235,18 +237,23 @@ def test_trace_count_no_retrace_on_second_eager_call():
     w = _rand(5, 3, seed=16)
     f = chunkop.vmap(fun, in_axes=(0, None), chunk_size=4)  # 6 = 4 + 2: full chunk and remainder
     first = f(X, w)
-    traced = len(calls)
-    assert traced >= 1
-    second = f(X * 2, w + 1)  # same shapes, new values
-    assert len(calls) == traced, "second eager call retraced `fun`"
+    assert len(calls) == 1
+    with CompileCounter() as compiles:
+        second = f(X * 2, w + 1)  # same shapes, new values
+    assert len(calls) == 2 and compiles.count == 0, (len(calls), compiles.count)
     assert_tree_allclose(first, jax.vmap(fun, in_axes=(0, None))(X, w))
     assert_tree_allclose(second, jax.vmap(fun, in_axes=(0, None))(X * 2, w + 1))
-    # grad twice: the chunk loop is not retraced either
+    # a new wrapper of the same function (built in a loop, say) reuses the compiled loop too
+    with CompileCounter() as compiles:
+        chunkop.vmap(fun, in_axes=(0, None), chunk_size=4)(X, w)
+    assert compiles.count == 0
+    # grad twice: the second compiles nothing either
     g = lambda x: jax.grad(lambda x: f(x, w).sum())(x)  # noqa: E731
     g(X)
-    traced = len(calls)
-    g(X + 1)
-    assert len(calls) == traced, "second eager grad retraced `fun`"
-    # a new shape must retrace (so the counter above can see a retrace)
-    f(X[:5], w)
-    assert len(calls) > traced
+    with CompileCounter() as compiles:
+        g(X + 1)
+    assert compiles.count == 0
+    # a new shape compiles (so the counter above can see a compilation)
+    with CompileCounter() as compiles:
+        f(X[:5], w)
+    assert compiles.count > 0

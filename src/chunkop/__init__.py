@@ -1,6 +1,7 @@
 """chunkop: chunked, memory-bounded vmap and implicit chunked linear operators for JAX."""
 
 from . import _lineax  # noqa: F401  (registers RowOperator with lineax)
+from ._cache import clear_caches
 from ._checks import check_linear
 from ._gram import gram_diagonal
 from ._jacobian import jacfwd, jacrev
@@ -23,5 +24,6 @@ __all__ = [
     "check_linear",
     "gram_diagonal",
     "to_scipy",
+    "clear_caches",
     "__version__",
 ]

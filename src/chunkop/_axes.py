@@ -22,6 +22,7 @@ __all__ = [
     "flat_out_axes",
     "mapped_size",
     "is_array_leaf",
+    "check_remat",
 ]
 
 
@@ -55,6 +56,39 @@ def check_axis_size(axis_size: Any, where: str = "chunkop") -> int | None:
     return int(axis_size)
 
 
+def check_remat(remat: Any, where: str = "chunkop") -> Any:
+    """Validate ``remat``: True, False, or a ``jax.checkpoint`` policy (tried on one primitive)."""
+    if isinstance(remat, bool):
+        return remat
+    bad = TypeError(
+        f"{where}: `remat` must be True, False or a checkpoint policy such as "
+        f"jax.checkpoint_policies.dots_saveable, got {remat!r}."
+    )
+    if not callable(remat):
+        raise bad
+    aval = jax.core.ShapedArray((), np.dtype(np.float32))
+    try:  # a policy is called as policy(primitive, *input_avals, **params) -> bool (or a Saveable)
+        answer = remat(jax.lax.add_p, aval, aval)
+    except Exception as e:  # noqa: BLE001
+        raise TypeError(
+            f"{where}: `remat`={remat!r} is not a usable checkpoint policy: calling it as "
+            f"policy(primitive, *avals, **params) raised {type(e).__name__}: {e}"
+        ) from None
+    if not isinstance(answer, (bool, np.bool_)) and type(answer).__name__ not in ("Saveable", "Recompute", "Offloadable"):
+        raise TypeError(
+            f"{where}: `remat`={remat!r} is not a checkpoint policy: policy(primitive, *avals) "
+            f"returned {answer!r}, expected a bool."
+        )
+    return remat
+
+
+def _as_int_axes(spec: Any) -> Any:
+    """NumPy integer leaves as Python ints (``jax.vmap`` rejects NumPy ints; chunkop takes them)."""
+    return jax.tree_util.tree_map(
+        lambda a: int(a) if isinstance(a, np.integer) else a, spec, is_leaf=lambda a: a is None
+    )
+
+
 def _is_none(x: Any) -> bool:
     return x is None
 
@@ -80,13 +114,13 @@ def check_in_axes_spec(in_axes: Any, where: str = "chunkop.vmap") -> Any:
             f"argument, got {in_axes!r} of type {type(in_axes).__name__}."
         )
     _check_axis_leaves(in_axes, "in_axes", where)
-    return in_axes
+    return _as_int_axes(in_axes)
 
 
 def check_out_axes_spec(out_axes: Any, where: str = "chunkop.vmap") -> Any:
     """Check that every leaf of ``out_axes`` is an int or None."""
     _check_axis_leaves(out_axes, "out_axes", where)
-    return out_axes
+    return _as_int_axes(out_axes)
 
 
 def _broadcast_prefix(prefix: Any, tree: Any) -> list[Any]:
@@ -110,9 +144,12 @@ def _ndim(x: Any) -> int:
 
 
 def flat_in_axes(
-    in_axes: Any, args: tuple, kwargs: dict, where: str = "chunkop.vmap"
+    in_axes: Any, args: tuple, kwargs: dict, where: str = "chunkop.vmap", arg_names: tuple[str, ...] = ()
 ) -> tuple[list[Any], Any, list[int | None], list[str]]:
     """Resolve ``in_axes`` against a call's arguments.
+
+    ``arg_names`` names the positional arguments in messages (``xs['s']`` rather than
+    ``args[0]['s']``), for transforms whose arguments have names of their own.
 
     Returns:
         ``(leaves, treedef, axes, paths)``: the leaves of ``(args, kwargs)``, their treedef,
@@ -137,6 +174,9 @@ def flat_in_axes(
     leaves = [leaf for _, leaf in leaves_with_paths]
     paths = []
     for path, _ in leaves_with_paths:
+        if path[0].idx == 0 and len(path) > 1 and path[1].idx < len(arg_names):
+            paths.append(arg_names[path[1].idx] + jax.tree_util.keystr(path[2:]))
+            continue
         head = "args" if path[0].idx == 0 else "kwargs"
         paths.append(head + jax.tree_util.keystr(path[1:]))
     axes: list[int | None] = []
@@ -147,7 +187,8 @@ def flat_in_axes(
         if not is_array_leaf(leaf):
             raise TypeError(
                 f"{where}: argument {path} is mapped (axis {axis}) but is a "
-                f"{type(leaf).__name__}, not an array; map arrays only, or give it in_axes=None."
+                f"{type(leaf).__name__}, not an array; map arrays only"
+                + ("." if arg_names else ", or give it in_axes=None.")
             )
         ndim = _ndim(leaf)
         if not -ndim <= axis < ndim:

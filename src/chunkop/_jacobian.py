@@ -32,6 +32,10 @@ def _check_argnums(argnums: int | Sequence[int], nargs: int, where: str) -> tupl
         nums = (argnums,) if _is_int(argnums) else tuple(argnums)
     except TypeError:
         nums = (argnums,)  # not an int and not iterable: reported below
+    if not nums:
+        raise ValueError(
+            f"{where}: `argnums`={argnums!r} selects no argument; give an int or a non-empty tuple of ints."
+        )
     for a in nums:
         if not _is_int(a) or not -nargs <= a < nargs:
             raise ValueError(

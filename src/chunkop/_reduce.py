@@ -7,32 +7,57 @@ gradient accumulation over micro-batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ._chunking import Remat, sum_chunks
-from ._vmap import _Chunked, _wrap
+from ._vmap import LoopSpec, _accumulation_dtype, _chunk_vmap, _Chunked, _moved, _widen, _wrap
 
 __all__ = ["sum", "mean"]
 
 
-def _sum_dtype(dtype: Any) -> Any:
-    """The dtype ``jnp.sum`` gives for inputs of ``dtype`` (bool/small ints are promoted)."""
-    return jax.eval_shape(lambda o: jnp.sum(o, 0), jax.ShapeDtypeStruct((1,), dtype)).dtype
+def _result_dtype(reduce: Callable, dtype: Any) -> Any:
+    """The dtype ``reduce(o, 0)`` (``jnp.sum``/``jnp.mean``) gives for inputs of ``dtype``."""
+    return jax.eval_shape(lambda o: reduce(o, 0), jax.ShapeDtypeStruct((1,), dtype)).dtype
+
+
+def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = False) -> Callable[[list, list], Any]:
+    """``(consts, mapped) -> sum`` (or mean) over the mapped axis of the traced function's outputs.
+
+    Chunk sums are accumulated in float32 for bfloat16/float16 outputs (else in ``jnp.sum``'s
+    dtype) and cast to ``jnp.sum``'s (``jnp.mean``'s) dtype at the end.
+    """
+    reduce = jnp.mean if divide else jnp.sum
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+    final = [_result_dtype(reduce, s.dtype) for s in out_leaves]
+    acc = [_accumulation_dtype(_result_dtype(jnp.sum, s.dtype)) for s in out_leaves]
+    plan = spec.plan
+
+    def loop(consts: list, mapped: list) -> Any:
+        wide, dtypes = _widen(consts)
+
+        def chunk_fn(chunk: list, m: int) -> list:
+            outs = _chunk_vmap(jaxpr, spec, wide, dtypes, 0, m)(*chunk)
+            return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
+
+        init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
+        total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init)
+        if divide:
+            total = [t / plan.size if jnp.issubdtype(t.dtype, jnp.inexact) else t / jnp.float32(plan.size) for t in total]
+        return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
+
+    return loop
 
 
 class _Summed(_Chunked):
     where = "chunkop.sum"
-    divide = False
     shard_kind = "sum"
-
-    def _finish(self, total: Any, n: int) -> Any:
-        if not self.divide:
-            return total
-        return jax.tree_util.tree_map(lambda s: s / n, total)
+    reduce = staticmethod(jnp.sum)
+    _loop = staticmethod(sum_loop)
 
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
         outs = jax.vmap(
@@ -42,27 +67,26 @@ class _Summed(_Chunked):
             axis_size=self.axis_size,
             spmd_axis_name=self.spmd_axis_name,
         )(*args, **kwargs)
-        n = jax.tree_util.tree_leaves(outs)[0].shape[0] if jax.tree_util.tree_leaves(outs) else 0
-        return self._finish(jax.tree_util.tree_map(lambda o: jnp.sum(o, axis=0), outs), n)
+        return jax.tree_util.tree_map(lambda o: self.reduce(o, axis=0), outs)
 
-    def _combine(self, flat_fun, leaves, axes, plan, out_shapes):
-        mapped, moved, body_in_axes = self._chunk_inputs(leaves, axes)
 
-        def chunk_fn(chunk: list, m: int) -> Any:
-            flat = list(leaves)
-            for i, c in zip(mapped, chunk):
-                flat[i] = c
-            outs = self._vmapped(flat_fun, body_in_axes, 0, m)(*flat)
-            return jax.tree_util.tree_map(lambda o: jnp.sum(o, axis=0), outs)
-
-        init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), out_shapes)
-        return self._finish(sum_chunks(chunk_fn, moved, plan, self.remat, init), plan.size)
+    def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+        totals = []
+        for k, s in enumerate(out_leaves):
+            acc = _accumulation_dtype(_result_dtype(jnp.sum, s.dtype))
+            total = sum(jnp.sum(c[k], axis=0, dtype=acc) for c in chunk_outs)
+            if self.reduce is jnp.mean:
+                total = total / n if jnp.issubdtype(total.dtype, jnp.inexact) else total / jnp.float32(n)
+            totals.append(total.astype(_result_dtype(self.reduce, s.dtype)))
+        return jax.tree_util.tree_unflatten(out_tree, totals)
 
 
 class _Averaged(_Summed):
     where = "chunkop.mean"
-    divide = True
     shard_kind = "mean"
+    reduce = staticmethod(jnp.mean)
+    _loop = staticmethod(functools.partial(sum_loop, divide=True))
 
 
 def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat) -> Callable:
@@ -93,7 +117,8 @@ def sum(  # noqa: A001
     Equal to ``jax.tree.map(lambda o: o.sum(0), jax.vmap(fun, in_axes)(*args))`` without
     materialising the per-element outputs; memory under ``grad`` is bounded by the chunk.
     Arguments, errors and remainder handling are those of :func:`chunkop.vmap`. Sums of
-    bool/int outputs follow ``jnp.sum``'s dtype rules.
+    bool/int outputs follow ``jnp.sum``'s dtype rules; bfloat16/float16 outputs are summed in
+    float32 (as ``jnp.sum`` does) and returned in their own dtype.
 
     Args:
         fun: function of one element; returns a pytree of arrays.

@@ -192,22 +192,12 @@ def call_sharded(
     dynamic = [_is_array(x) for x in leaves]
     static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
     dyn = [x for x, d in zip(leaves, dynamic) if d]
-    config = wrapper._config() if hasattr(wrapper, "_config") else id(wrapper)
-    key = (config, kind, treedef, tuple(axes), static, mesh, names)
     shapes = tuple((tuple(x.shape), x.dtype) for x in dyn)
-    try:
-        hash(key)
-    except TypeError:
-        return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes)(*dyn)
-    fn = _SHARDED.get(key)
-    if fn is None:
-        fn = _SHARDED[key] = _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes)
-        if len(_SHARDED) > 256:
-            _SHARDED.pop(next(iter(_SHARDED)))
-    return fn(*dyn)
-
-
-_SHARDED: dict = {}
+    # Not cached by the wrapper: as the unsharded path, ``fun`` is traced on every call (the
+    # chunk loop inside is what is cached). Under an enclosing ``jax.jit`` this is staged once.
+    specs = [_spec_at(a, mesh_axes.names) if a is not None else P() for a, d in zip(axes, dynamic) if d]
+    dyn = [_conform(x, spec, mesh_axes) for x, spec in zip(dyn, specs)]
+    return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes)(*dyn)
 
 
 def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, shapes: tuple, mesh_axes: MeshAxes):
@@ -257,7 +247,11 @@ def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, sha
         def body(*d: Any) -> Any:
             return jax.tree_util.tree_map(lambda o: reduce(o, names), call_local(*d))
 
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(names), check_vma=False))
+    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
+    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(names), check_vma=False
+    )
 
 
 # ----------------------------------------------------------------------------------------------

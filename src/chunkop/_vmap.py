@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import abc
-import collections
 import functools
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,24 +15,17 @@ from ._axes import (
     check_chunk_size,
     check_in_axes_spec,
     check_out_axes_spec,
+    check_remat,
     flat_in_axes,
     flat_out_axes,
-    is_array_leaf,
     mapped_size,
 )
 from . import _sharding
+from ._cache import Uncacheable, cached, callable_key
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
+from ._trace import eval_traced, trace_example
 
 __all__ = ["vmap", "map"]
-
-
-def _check_remat(remat: Any, where: str) -> Remat:
-    if isinstance(remat, bool) or callable(remat):
-        return remat
-    raise TypeError(
-        f"{where}: `remat` must be True, False or a checkpoint policy such as "
-        f"jax.checkpoint_policies.dots_saveable, got {remat!r}."
-    )
 
 
 def _wrap(fun: Callable, wrapper: Any) -> Any:
@@ -47,77 +39,90 @@ def _wrap(fun: Callable, wrapper: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# Collectives over the chunked axis.
+# The compiled chunk loops. Built from the traced jaxpr and static settings only (never from the
+# wrapper, which holds the user's function), so a cached loop keeps no user function alive.
+
+_LOW_PRECISION = (jnp.bfloat16, jnp.float16)
 
 
-def _mentions(value: Any, name: Hashable) -> bool:
-    items = value if isinstance(value, (tuple, list, frozenset, set)) else (value,)
-    for item in items:
-        try:
-            if type(item) is type(name) and item == name:
-                return True
-        except Exception:  # an array-valued param: not an axis name
-            continue
-    return False
+def _accumulation_dtype(dtype: Any) -> Any:
+    """float32 for bfloat16/float16, else the dtype itself: what chunk sums accumulate in."""
+    return jnp.float32 if any(dtype == d for d in _LOW_PRECISION) else dtype
 
 
-def _subjaxprs(value: Any):
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
-        if hasattr(item, "eqns"):
-            yield item
-        elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-            yield item.jaxpr
+def _widen(consts: list) -> tuple[list, list]:
+    """Low-precision float constants as float32, with their dtypes.
 
-
-def _refers_to_axis(eqn: Any, name: Hashable) -> bool:
-    """Whether one equation is a collective over axis ``name``.
-
-    Collectives carry a ``NamedAxisEffect`` (``psum``, ``pmax``, ``axis_index``, ``all_gather``
-    ...) or name the axis in an ``axis_name`` parameter (``ppermute`` has no effect). Other
-    parameters are not looked at: a ``jit`` whose ``name`` happens to equal the axis name, or a
-    ``reduce_sum`` over ``axes=(0,)`` with ``axis_name=0``, is not a collective.
+    The constants enter the scan unmapped, so under reverse mode their cotangents are summed
+    over chunks in the scan's carry: widened, that sum runs in float32 (each chunk narrows its
+    copy back, exactly: bf16 -> f32 -> bf16 is lossless).
     """
-    for effect in getattr(eqn, "effects", ()):
-        if _mentions(getattr(effect, "name", None), name):
-            return True
-    return _mentions(eqn.params.get("axis_name"), name)
+    dtypes = [jnp.result_type(c) for c in consts]
+    return [jnp.asarray(c, _accumulation_dtype(d)) if _accumulation_dtype(d) != d else c for c, d in zip(consts, dtypes)], dtypes
 
 
-def _uses_axis(jaxpr: Any, name: Hashable) -> str | None:
-    """The first primitive in ``jaxpr`` (recursively) that is a collective over axis ``name``."""
-    for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            for sub in _subjaxprs(value):
-                found = _uses_axis(sub, name)
-                if found:
-                    return found
-        if _refers_to_axis(eqn, name):
-            return eqn.primitive.name
-    return None
+def _narrow(consts: list, dtypes: list) -> list:
+    return [c if jnp.result_type(c) == d else c.astype(d) for c, d in zip(consts, dtypes)]
+
+
+class LoopSpec(NamedTuple):
+    """Everything static about one chunk loop besides the jaxpr (hashable: part of its key)."""
+
+    axes: tuple  # the mapped axis of each mapped leaf
+    plan: ChunkPlan
+    remat: Remat
+    spmd_axis_name: Any
+    out_axes: tuple  # flat, one per output leaf (stacking loops only)
+
+
+def _chunk_vmap(jaxpr: Any, spec: LoopSpec, consts: list, dtypes: list, out_axes: Any, m: int) -> Callable:
+    """One chunk of ``m`` examples: ``jax.vmap`` of the traced jaxpr (constants unmapped)."""
+
+    def one(*example: Any) -> tuple:
+        return tuple(eval_traced(jaxpr, _narrow(consts, dtypes), *example))
+
+    return jax.vmap(one, in_axes=0, out_axes=out_axes, axis_size=m, spmd_axis_name=spec.spmd_axis_name)
+
+
+def _moved(mapped: list, axes: tuple) -> list:
+    return [jnp.moveaxis(x, a, 0) if a else x for x, a in zip(mapped, axes)]
+
+
+def stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:
+    """``(consts, mapped) -> outputs`` of ``jax.vmap``, stacked over chunks at ``spec.out_axes``."""
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+    oaxes = list(spec.out_axes)
+    stacked = [k for k, a in enumerate(oaxes) if a is not None]
+    carried = [k for k, a in enumerate(oaxes) if a is None]
+    plan = spec.plan
+
+    def loop(consts: list, mapped: list) -> Any:
+        wide, dtypes = _widen(consts)
+
+        def chunk_fn(chunk: list, m: int) -> tuple[list, list]:
+            outs = _chunk_vmap(jaxpr, spec, wide, dtypes, tuple(oaxes), m)(*chunk)
+            return [outs[k] for k in stacked], [outs[k] for k in carried]
+
+        ys_full, ys_rem, zs = stack_chunks(
+            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, [out_leaves[k] for k in carried]
+        )
+        result: list[Any] = [None] * len(out_leaves)
+        for j, k in enumerate(stacked):
+            a = oaxes[k]
+            y = jnp.moveaxis(ys_full[j], 0, a)  # (..., n_full, chunk, ...)
+            y = y.reshape(y.shape[:a] + (plan.n_full * plan.chunk,) + y.shape[a + 2 :])
+            if ys_rem is not None:
+                y = jnp.concatenate([y, ys_rem[j]], axis=a)
+            result[k] = y
+        for j, k in enumerate(carried):
+            result[k] = zs[j]
+        return jax.tree_util.tree_unflatten(out_tree, result)
+
+    return loop
 
 
 # ----------------------------------------------------------------------------------------------
-# The shared machinery of every chunked transform: argument resolution, caching, tracing.
-
-
-_SHARED_JITS: collections.OrderedDict = collections.OrderedDict()
-_MAX_SHARED_JITS = 256
-
-
-def _shared_jit(config: tuple, make: Callable[[], Callable]) -> Callable:
-    """A least-recently-used cache of jitted chunk loops, keyed by a wrapper's configuration."""
-    try:
-        hash(config)
-    except TypeError:  # e.g. a dict in in_axes: this wrapper keeps its own jit
-        return make()
-    if config in _SHARED_JITS:
-        _SHARED_JITS.move_to_end(config)
-        return _SHARED_JITS[config]
-    jitted = _SHARED_JITS[config] = make()
-    if len(_SHARED_JITS) > _MAX_SHARED_JITS:
-        _SHARED_JITS.popitem(last=False)
-    return jitted
+# The shared machinery of every chunked transform: argument checks, tracing, the loop cache.
 
 
 class _Chunked(abc.ABC):
@@ -142,123 +147,111 @@ class _Chunked(abc.ABC):
         self.fun = fun
         self.in_axes = check_in_axes_spec(in_axes, self.where)
         self.chunk_size = check_chunk_size(chunk_size, where=self.where)
-        axis_size = check_axis_size(axis_size, self.where)
         self.axis_name = axis_name
-        self.axis_size = axis_size
+        self.axis_size = check_axis_size(axis_size, self.where)
         self.spmd_axis_name = spmd_axis_name
-        self.remat = _check_remat(remat, self.where)
-        self._jit: Callable | None = None  # made on first chunked call (see `_jitted`)
+        self.remat = check_remat(remat, self.where)
 
-    def _config(self) -> tuple:
-        """Everything that determines the computation besides the call's arguments."""
-        return (
-            type(self), self.fun, self.in_axes, getattr(self, "out_axes", None), self.chunk_size,
-            self.axis_name, self.axis_size, self.spmd_axis_name, self.remat,
-        )
-
-    @property
-    def _jitted(self) -> Callable:
-        """The jitted chunk loop, shared by every wrapper with the same configuration.
-
-        ``chunkop.vmap(f, chunk_size=c)(x)`` written inside a Python loop builds a new wrapper
-        each time; sharing the jit by configuration means it still compiles only once.
-        """
-        if self._jit is None:
-            self._jit = _shared_jit(self._config(), lambda: jax.jit(self._run, static_argnums=(1,)))
-        return self._jit
+    def _flat_arguments(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
+        return flat_in_axes(self.in_axes, args, kwargs, self.where)
 
     # -- per call ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves, treedef, axes, paths = flat_in_axes(self.in_axes, args, kwargs, self.where)
+        leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:  # each device chunks its own shard (see _sharding)
             return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
         if self.chunk_size is None or n <= self.chunk_size:
             return self._unchunked(args, kwargs)
-        dynamic = [is_array_leaf(x) for x in leaves]
-        static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
-        key = (treedef, tuple(axes), n, static)
-        dyn = [x for x, d in zip(leaves, dynamic) if d]
+        traced = trace_example(
+            self.fun, leaves, treedef, axes, n,
+            axis_name=self.axis_name, chunk_size=self.chunk_size, remat=self.remat, where=self.where,
+        )
+        if not traced.stageable:
+            return self._join(self._unstaged_chunks(leaves, treedef, axes, n), traced.out_shapes, n)
+        mapped = [i for i, a in enumerate(axes) if a is not None]
+        spec = LoopSpec(
+            axes=tuple(axes[i] for i in mapped),
+            plan=make_plan(n, self.chunk_size),
+            remat=self.remat,
+            spmd_axis_name=self.spmd_axis_name,
+            out_axes=self._flat_out_axes(traced.out_shapes),
+        )
+        make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
+        loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
+        return loop(traced.consts, [leaves[i] for i in mapped])
+
+    def _unstaged_chunks(self, leaves: list, treedef: Any, axes: list, n: int) -> list:
+        """Each chunk's per-example outputs, by a Python loop of ``jax.vmap`` calls of ``fun``.
+
+        The fallback for a ``fun`` whose custom rule closes over a tracer of an enclosing
+        transform: no staging boundary (``jit``, ``scan``, ``checkpoint``) may come between the
+        rule and that tracer, so the chunks are unrolled. Values equal ``jax.vmap``'s; the
+        program's size grows with ``n / chunk_size`` and reverse mode is not bounded by the chunk.
+        """
+        outs = []
+        for start in range(0, n, self.chunk_size):
+            m = min(self.chunk_size, n - start)
+            flat = [x if a is None else jax.lax.slice_in_dim(x, start, start + m, axis=a) for x, a in zip(leaves, axes)]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, flat)
+            vmapped = jax.vmap(
+                self.fun, in_axes=self.in_axes, out_axes=self._out_axes_spec(), axis_size=m,
+                spmd_axis_name=self.spmd_axis_name,
+            )
+            outs.append(jax.tree_util.tree_leaves(vmapped(*args, **kwargs)))
+        return outs
+
+    def _out_axes_spec(self) -> Any:
+        return 0
+
+    @abc.abstractmethod
+    def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
+        """Combine the per-chunk flat outputs of :meth:`_unstaged_chunks`."""
+
+    def _cached_loop(self, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:
         try:
-            hash(key)
-        except TypeError:  # unhashable non-array arguments: run without the cache
-            return self._run(dyn, key)
-        return self._jitted(dyn, key)
+            remat_key = spec.remat if isinstance(spec.remat, bool) else callable_key(spec.remat)
+            full_key = (type(self).__name__, key, spec._replace(remat=remat_key))
+            hash(full_key)
+        except (Uncacheable, TypeError):
+            return make()
+        return cached(full_key, lambda: jax.jit(make()))
+
+    def _flat_out_axes(self, out_shapes: Any) -> tuple:
+        return ()
 
     @abc.abstractmethod
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
         """The result when nothing is chunked (``chunk_size`` is None or >= the axis size)."""
 
-    @abc.abstractmethod
-    def _combine(self, flat_fun: Callable, leaves: list, axes: list, plan: ChunkPlan, out_shapes: Any) -> Any:
-        """Run the chunks of ``plan`` and combine their outputs (stack, sum, ...)."""
-
-    def _vmapped(self, fn: Callable, in_axes: tuple, out_axes: Any, size: int) -> Callable:
-        return jax.vmap(
-            fn,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_name=self.axis_name,
-            axis_size=size,
-            spmd_axis_name=self.spmd_axis_name,
-        )
-
-    def _run(self, dyn: list, key: tuple) -> Any:
-        treedef, axes, n, static = key
-        leaves = list(dyn)
-        for i, value in static:
-            leaves.insert(i, value)
-
-        def flat_fun(*flat: Any) -> Any:
-            f_args, f_kwargs = jax.tree_util.tree_unflatten(treedef, flat)
-            return self.fun(*f_args, **f_kwargs)
-
-        out_shapes = self._example_shapes(flat_fun, leaves, list(axes), n)
-        plan = make_plan(n, self.chunk_size)
-        return self._combine(flat_fun, leaves, list(axes), plan, out_shapes)
-
-    def _example_shapes(self, flat_fun: Callable, leaves: list, axes: list, n: int) -> Any:
-        """Trace ``fun`` once on one example: output shapes, and collectives over ``axis_name``."""
-        mapped = [i for i, a in enumerate(axes) if a is not None]
-
-        def one(*examples: Any) -> Any:
-            flat = list(leaves)
-            for i, ex in zip(mapped, examples):
-                flat[i] = ex
-            return flat_fun(*flat)
-
-        structs = []
-        for i in mapped:
-            x, a = leaves[i], axes[i]
-            shape = tuple(d for k, d in enumerate(jnp.shape(x)) if k != a)
-            structs.append(jax.ShapeDtypeStruct(shape, jnp.result_type(x) if not hasattr(x, "dtype") else x.dtype))
-        if self.axis_name is None:
-            return jax.eval_shape(one, *structs)
-        jaxpr, shapes = jax.make_jaxpr(one, axis_env=[(self.axis_name, n)], return_shape=True)(*structs)
-        prim = _uses_axis(jaxpr.jaxpr, self.axis_name)
-        if prim is not None:
-            raise ValueError(
-                f"{self.where}: `fun` uses the collective `{prim}` over axis_name="
-                f"{self.axis_name!r}, but with chunk_size={self.chunk_size} < axis size {n} each "
-                f"chunk would see only part of the axis, giving a silently wrong result. Use "
-                f"chunk_size=None (or >= {n}) for collectives, or compute the reduction outside "
-                f"the chunked function (e.g. with chunkop.sum)."
-            )
-        return shapes
-
     @staticmethod
-    def _chunk_inputs(leaves: list, axes: list) -> tuple[list[int], list, tuple]:
-        """Mapped leaves moved to axis 0, their positions, and the chunk-level vmap in_axes."""
-        mapped = [i for i, a in enumerate(axes) if a is not None]
-        moved = [jnp.moveaxis(leaves[i], axes[i], 0) if axes[i] else leaves[i] for i in mapped]
-        return mapped, moved, tuple(0 if a is not None else None for a in axes)
+    @abc.abstractmethod
+    def _loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:
+        """The chunk loop ``(consts, mapped_leaves) -> result`` (stack, sum, ...)."""
 
 
 class _VMapped(_Chunked):
     def __init__(self, fun: Callable, in_axes: Any, out_axes: Any, **kw: Any) -> None:
         super().__init__(fun, in_axes, **kw)
         self.out_axes = check_out_axes_spec(out_axes, self.where)
+
+    def _flat_out_axes(self, out_shapes: Any) -> tuple:
+        return tuple(flat_out_axes(self.out_axes, out_shapes, self.where))
+
+    _loop = staticmethod(stack_loop)
+
+    def _out_axes_spec(self) -> Any:
+        return self.out_axes
+
+    def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+        oaxes = flat_out_axes(self.out_axes, out_shapes, self.where)
+        joined = [
+            chunk_outs[-1][k] if a is None else jnp.concatenate([c[k] for c in chunk_outs], axis=a)
+            for k, a in enumerate(oaxes)
+        ]
+        return jax.tree_util.tree_unflatten(out_tree, joined)
 
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
         vmapped = functools.partial(
@@ -282,38 +275,6 @@ class _VMapped(_Chunked):
                 per_example = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes)
                 flat_out_axes(self.out_axes, per_example, self.where)
             raise
-
-    def _combine(self, flat_fun, leaves, axes, plan, out_shapes):
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-        oaxes = flat_out_axes(self.out_axes, out_shapes, self.where)
-        mapped, moved, body_in_axes = self._chunk_inputs(leaves, axes)
-        stacked = [k for k, a in enumerate(oaxes) if a is not None]
-        carried = [k for k, a in enumerate(oaxes) if a is None]
-
-        def flat_out_fun(*flat: Any) -> tuple:
-            return tuple(jax.tree_util.tree_leaves(flat_fun(*flat)))
-
-        def chunk_fn(chunk: list, m: int) -> tuple[list, list]:
-            flat = list(leaves)
-            for i, c in zip(mapped, chunk):
-                flat[i] = c
-            outs = self._vmapped(flat_out_fun, body_in_axes, tuple(oaxes), m)(*flat)
-            return [outs[k] for k in stacked], [outs[k] for k in carried]
-
-        ys_full, ys_rem, zs = stack_chunks(
-            chunk_fn, moved, plan, self.remat, [out_leaves[k] for k in carried]
-        )
-        result: list[Any] = [None] * len(out_leaves)
-        for j, k in enumerate(stacked):
-            a = oaxes[k]
-            y = jnp.moveaxis(ys_full[j], 0, a)  # (..., n_full, chunk, ...)
-            y = y.reshape(y.shape[:a] + (plan.n_full * plan.chunk,) + y.shape[a + 2 :])
-            if ys_rem is not None:
-                y = jnp.concatenate([y, ys_rem[j]], axis=a)
-            result[k] = y
-        for j, k in enumerate(carried):
-            result[k] = zs[j]
-        return jax.tree_util.tree_unflatten(out_tree, result)
 
 
 def vmap(
@@ -389,12 +350,18 @@ def vmap(
 class _Mapped(_VMapped):
     where = "chunkop.map"
 
+    def _flat_arguments(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
+        # chunkop.map's only argument is `xs`: messages name it so (not `args[0]`).
+        return flat_in_axes(self.in_axes, args, kwargs, self.where, arg_names=("xs",))
+
 
 def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  # noqa: A001
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
 
     Like ``jax.lax.map(f, xs, batch_size=chunk_size)``, but each chunk is rematerialised in
-    reverse mode, so memory under ``grad`` stays bounded by the chunk.
+    reverse mode, so memory under ``grad`` stays bounded by the chunk. As :func:`chunkop.vmap`,
+    ``f`` is traced on every call and the compiled chunk loop is reused by what was traced, so
+    repeated eager calls compile once.
 
     Args:
         f: function of one slice of ``xs``.
@@ -411,17 +378,7 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
         Array([3., 3., 3., 3., 3., 3., 3.], dtype=float32)
     """
     chunk_size = check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
-    try:
-        mapped = _mapped_for(f, chunk_size, remat)
-    except TypeError:  # unhashable f or policy: no cache
-        mapped = _mapped_for.__wrapped__(f, chunk_size, remat)
-    return mapped(xs)
-
-
-@functools.lru_cache(maxsize=64)
-def _mapped_for(f: Callable, chunk_size: int, remat: Remat) -> _Mapped:
-    """One wrapper (and so one compiled chunk loop) per ``(f, chunk_size, remat)``: repeated
-    eager ``chunkop.map`` calls with the same ``f`` do not recompile."""
-    return _Mapped(
+    mapped = _Mapped(
         f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat
     )
+    return mapped(xs)
