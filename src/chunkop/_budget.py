@@ -26,6 +26,7 @@ memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on acceler
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -232,7 +233,7 @@ def choose_chunk(
     if whole <= budget:
         return plan(None, None, whole)
     if n == 1:
-        raise _too_small(budget, n, whole, mode)
+        raise _too_small(budget, n, (1, whole), mode)
 
     # Two probes well inside the axis, then a bracketing search: linear interpolation between the
     # largest chunk within the budget and the smallest over it (extrapolation while one is missing).
@@ -272,12 +273,15 @@ def choose_chunk(
     if not inside:  # every model step was over the budget: halve from the smallest chunk tried
         c = min(measured)
         while c > 1:
+            previous = measured[c]
             c = max(1, c // 2)
             if measure(c) <= budget:
                 inside = [(c, measured[c])]
                 break
+            if measured[c] >= previous:  # smaller chunks stopped saving memory (per-step costs)
+                break
         if not inside:
-            raise _too_small(budget, n, measure(1), mode)
+            raise _too_small(budget, n, min(measured.items(), key=lambda kv: kv[1]), mode)
     c, b = inside[-1]
     return plan(c, predictions.get(c), b)
 
@@ -298,11 +302,11 @@ def _candidate(n: int, target: int, low: int) -> int:
     return target
 
 
-def _too_small(budget: int, n: int, smallest: int, mode: str) -> ValueError:
+def _too_small(budget: int, n: int, smallest: tuple[int, int], mode: str) -> ValueError:
     return ValueError(
-        f"chunkop: `memory_budget`={budget} bytes is too small: even chunk_size=1 needs "
-        f"{smallest} bytes of temp memory (mode={mode!r}, axis size {n}). Give a larger "
-        f"memory_budget or an explicit chunk_size."
+        f"chunkop: `memory_budget`={budget} bytes is too small: the least temp memory found "
+        f"was {smallest[1]} bytes, at chunk_size={smallest[0]} (mode={mode!r}, axis size {n}). "
+        f"Give a larger memory_budget or an explicit chunk_size."
     )
 
 
@@ -472,3 +476,188 @@ def cached_plan(key: Any, compute: Callable[[], BudgetPlan]) -> BudgetPlan:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
     return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_size="auto" on the chunked transforms (chunkop.vmap / map / sum / mean / jacrev / jacfwd).
+
+
+def check_chunk_size_or_auto(chunk_size: Any, *, allow_none: bool = True, where: str = "chunkop") -> Any:
+    """``"auto"``, or a chunk size as validated by :func:`chunkop._axes.check_chunk_size`."""
+    if isinstance(chunk_size, str):
+        if chunk_size == "auto":
+            return "auto"
+        raise ValueError(
+            f"{where}: `chunk_size` must be a positive int, "
+            f"{'None or ' if allow_none else ''}\"auto\", got {chunk_size!r}."
+        )
+    from ._axes import check_chunk_size
+
+    return check_chunk_size(chunk_size, allow_none=allow_none, where=where)
+
+
+def transform_depth(leaves: Sequence[Any]) -> int:
+    """How many forward-mode levels (``jvp``/``linearize``, as ``grad`` and ``hvp`` use) the
+    arguments are traced under: 0 outside any, 1 under ``grad``, 2 under ``jvp(grad)``."""
+    depth = 0
+    for x in leaves:
+        d = 0
+        while type(x).__name__ in ("JVPTracer", "LinearizeTracer"):
+            d += 1
+            x = getattr(x, "primal", None)
+        depth = max(depth, d)
+    return depth
+
+
+def plan_mode(leaves: Sequence[Any]) -> str:
+    """The transforms to plan for: ``"grad"`` (forward and VJP: the default, since a
+    ``jax.grad`` applied around an enclosing ``jax.jit`` is not visible at trace time), or
+    ``"hvp"`` when the arguments are traced under two forward-mode levels."""
+    return "hvp" if transform_depth(leaves) >= 2 else "grad"
+
+
+def _at_chunk(wrapper: Any, chunk: int | None) -> Any:
+    clone = copy.copy(wrapper)
+    clone.chunk_size = chunk
+    return clone
+
+
+def _wrapper_key(wrapper: Any, traced_key: Any, leaves: list, axes: list, n: int, budget: int, mode: str) -> Any:
+    from ._cache import Uncacheable, callable_key
+
+    remat = wrapper.remat
+    try:
+        remat = remat if isinstance(remat, bool) else callable_key(remat)
+    except Uncacheable:
+        return None
+    shapes = tuple(
+        (tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) if isinstance(x, jax.Array) else type(x).__name__
+        for x in leaves
+    )
+    return (
+        "auto", type(wrapper).__name__, traced_key, shapes, tuple(axes), n, budget, mode, remat,
+        getattr(wrapper, "out_axes", None), wrapper.spmd_axis_name,
+    )
+
+
+def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> BudgetPlan:
+    """The (cached) plan of an ``"auto"`` wrapper for this call's signature."""
+    from ._trace import trace_example
+
+    budget = wrapper.memory_budget if wrapper.memory_budget is not None else default_budget()
+    mode = plan_mode(leaves)
+    if n <= 1:
+        return BudgetPlan(None, n, budget, mode, None, 0, ())
+    try:
+        traced = trace_example(
+            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name, chunk_size=n - 1,
+            remat=wrapper.remat, where=wrapper.where,
+        )
+    except ValueError:
+        if wrapper.axis_name is None:
+            raise
+        # a collective over axis_name: chunks would each see part of the axis; run unchunked
+        return BudgetPlan(None, n, budget, mode, None, 0, ())
+    key = None if traced.key is None else _wrapper_key(wrapper, traced.key, leaves, axes, n, budget, mode)
+
+    def compute() -> BudgetPlan:
+        temp = call_temp_bytes(lambda c: _at_chunk(wrapper, None if c >= n else c), args, kwargs, mode)
+        return choose_chunk(temp, n, budget, mode=mode)
+
+    return compute() if key is None else cached_plan(key, compute)
+
+
+def call_auto(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> Any:
+    """Run an ``"auto"`` wrapper: plan (cached), record the plan on the wrapper, call at that chunk."""
+    plan = plan_call(wrapper, args, kwargs, leaves, treedef, axes, n)
+    wrapper.last_plan = plan
+    return _at_chunk(wrapper, plan.chunk)(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_size="auto" on RowOperator, and chunkop.plan.
+
+
+def plan_rows(row_fn: Callable, rows: Any, in_leaves: tuple, in_tree: Any, memory_budget: int | None) -> BudgetPlan:
+    """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
+
+    Plans for the worst of ``mv`` and ``T.mv`` and their VJPs (w.r.t. ``x``/``y`` and the float
+    leaves of ``rows``), compiled at each candidate chunk. With rows sharded over devices, the
+    chunk is planned for one device's shard.
+    """
+    from . import _rows, _sharding
+
+    budget = check_memory_budget(memory_budget, "RowOperator")
+    budget = budget if budget is not None else default_budget()
+    row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
+    n = int(row_leaves[0].shape[0])
+    mesh_axes = _sharding.row_mesh(rows)
+    if mesh_axes is not None and n % mesh_axes.n_shards == 0:
+        n //= mesh_axes.n_shards
+    row_structs = [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
+    x_structs = list(in_leaves)
+    n_rows_leaves = len(row_structs)
+
+    def temp_bytes(chunk: int) -> int:
+        spec = _rows.Spec(row_fn, chunk, tuple(in_leaves), in_tree)
+
+        def mv(*flat: Any) -> Any:
+            r = jax.tree_util.tree_unflatten(row_tree, flat[:n_rows_leaves])
+            return _rows.apply(spec, r, jax.tree_util.tree_unflatten(in_tree, flat[n_rows_leaves:]))
+
+        y_struct = jax.eval_shape(mv, *row_structs, *x_structs)
+        y_leaves, y_tree = jax.tree_util.tree_flatten(y_struct)
+
+        def tmv(*flat: Any) -> Any:
+            r = jax.tree_util.tree_unflatten(row_tree, flat[:n_rows_leaves])
+            return _rows.apply_transpose(spec, r, jax.tree_util.tree_unflatten(y_tree, flat[n_rows_leaves:]))
+
+        return max(
+            program_temp_bytes(mv, row_structs + x_structs, "grad"),
+            program_temp_bytes(tmv, row_structs + list(y_leaves), "grad"),
+        )
+
+    return choose_chunk(temp_bytes, n, budget, mode="grad")
+
+
+def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
+    """The memory plan of a ``chunk_size="auto"`` transform for these arguments (nothing runs).
+
+    Args:
+        f: a function made by ``chunkop.vmap`` / ``sum`` / ``mean`` (or ``chunkop.map``'s
+            wrapper) with ``chunk_size="auto"``, or a ``chunkop.RowOperator`` (or its transpose)
+            built with ``chunk_size="auto"``.
+        *args, **kwargs: the arguments ``f`` would be called with (only their shapes and
+            dtypes are used: they may be tracers); not needed for an operator.
+
+    Returns:
+        The :class:`BudgetPlan`: ``chunk`` (None: no chunking), ``budget``, ``mode``,
+        ``predicted_bytes``, ``compiled_bytes`` and the ``probes`` compiled. Plans are cached per
+        call signature, so calling ``f`` with the same arguments then plans nothing.
+
+    Raises:
+        TypeError: when ``f`` is not an ``"auto"`` chunked transform or operator.
+
+    Example:
+        >>> import jax.numpy as jnp, chunkop
+        >>> f = chunkop.vmap(jnp.sin, chunk_size="auto", memory_budget=2**30)
+        >>> chunkop.plan(f, jnp.zeros(1000)).chunk is None  # the whole axis fits: no chunking
+        True
+    """
+    from ._axes import mapped_size
+
+    target = getattr(f, "operator", f)
+    if hasattr(target, "budget_plan") and hasattr(target, "rows"):
+        if target.budget_plan is None:
+            raise TypeError("chunkop.plan: this RowOperator was not built with chunk_size=\"auto\".")
+        return target.budget_plan
+    if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "_flat_arguments"):
+        raise TypeError(
+            f"chunkop.plan: expected a chunkop transform made with chunk_size=\"auto\" (or such a "
+            f"RowOperator), got {f!r}."
+        )
+    leaves, treedef, axes, paths = f._flat_arguments(args, kwargs)
+    n = mapped_size(leaves, axes, paths, f.axis_size, f.where)
+    result = plan_call(f, args, kwargs, leaves, treedef, axes, n)
+    f.last_plan = result
+    return result

@@ -12,8 +12,7 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from . import _rows, _sharding
-from ._axes import check_chunk_size
+from . import _budget, _rows, _sharding
 from ._vmap import vmap
 
 __all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
@@ -165,6 +164,7 @@ class RowOperator(AbstractRowOperator):
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
     mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _sharding)
+    budget_plan: Any = eqx.field(static=True, default=None)  # chunk_size="auto": see chunkop.plan
 
     def __init__(
         self,
@@ -172,8 +172,9 @@ class RowOperator(AbstractRowOperator):
         rows: Any,
         in_structure: Any,
         *,
-        chunk_size: int,
+        chunk_size: int | str,
         tags: object | Iterable[object] = (),
+        memory_budget: int | None = None,
     ) -> None:
         """Build the operator (arguments are checked here, before any tracing).
 
@@ -184,15 +185,22 @@ class RowOperator(AbstractRowOperator):
                 operators with :func:`chunkop.check_linear`.)
             rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
             in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
-            chunk_size: number of rows computed at once (a positive int).
+            chunk_size: number of rows computed at once (a positive int), or ``"auto"``: the
+                largest chunk whose compiled temp memory (``mv``, ``T.mv`` and their VJPs)
+                fits ``memory_budget`` (see :func:`chunkop.plan`).
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
+            memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
+                device's free memory.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
-        chunk_size = check_chunk_size(chunk_size, allow_none=False, where="RowOperator")
-        _check_rows(rows)
+        chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where="RowOperator")
+        n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
         _check_closure(row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)))
+        if chunk_size == "auto":
+            self.budget_plan = _budget.plan_rows(row_fn, rows, in_leaves, in_tree, memory_budget)
+            chunk_size = self.budget_plan.chunk or n_rows
         self.rows = rows
         self.spec = _rows.Spec(row_fn, chunk_size, in_leaves, in_tree)
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))

@@ -20,7 +20,7 @@ from ._axes import (
     flat_out_axes,
     mapped_size,
 )
-from . import _sharding
+from . import _budget, _sharding
 from ._cache import Uncacheable, cached, callable_key
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
 from ._trace import eval_traced, trace_example
@@ -141,12 +141,15 @@ class _Chunked(abc.ABC):
         axis_size: int | None,
         spmd_axis_name: Any,
         remat: Remat,
+        memory_budget: int | None = None,
     ) -> None:
         if not callable(fun):
             raise TypeError(f"{self.where}: `fun` must be callable, got {fun!r}.")
         self.fun = fun
         self.in_axes = check_in_axes_spec(in_axes, self.where)
-        self.chunk_size = check_chunk_size(chunk_size, where=self.where)
+        self.chunk_size = _budget.check_chunk_size_or_auto(chunk_size, where=self.where)
+        self.memory_budget = _budget.check_memory_budget(memory_budget, self.where)
+        self.last_plan: _budget.BudgetPlan | None = None  # set by chunk_size="auto" calls
         self.axis_name = axis_name
         self.axis_size = check_axis_size(axis_size, self.where)
         self.spmd_axis_name = spmd_axis_name
@@ -162,6 +165,8 @@ class _Chunked(abc.ABC):
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:  # each device chunks its own shard (see _sharding)
             return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
+        if self.chunk_size == "auto":  # chunk from the memory budget (see _budget), then as below
+            return _budget.call_auto(self, args, kwargs, leaves, treedef, axes, n)
         if self.chunk_size is None or n <= self.chunk_size:
             return self._unchunked(args, kwargs)
         traced = trace_example(
@@ -287,6 +292,7 @@ def vmap(
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
     remat: Remat = True,
+    memory_budget: int | None = None,
 ) -> Callable:
     """``jax.vmap`` that computes the mapped axis in sequential chunks of at most ``chunk_size``.
 
@@ -315,13 +321,19 @@ def vmap(
             prefix pytree of that argument with int (negative allowed) or None leaves.
         out_axes: prefix pytree of the output with int or None leaves; None for outputs that do
             not vary over the mapped axis (an error, as in ``jax.vmap``, if they do).
-        chunk_size: the largest number of elements vectorised at once; None for no chunking.
+        chunk_size: the largest number of elements vectorised at once; None for no chunking;
+            ``"auto"`` for the largest chunk whose compiled temp memory (forward and VJP;
+            also the Hessian-vector product when called under two ``jvp`` levels) fits
+            ``memory_budget``, found from XLA's memory analysis once per call signature
+            (no chunking when the whole axis fits). See ``docs/scaling.md``.
         axis_name: name of the mapped axis, for collectives (see above).
         axis_size: size of the mapped axis; needed only when no argument is mapped.
         spmd_axis_name: passed to the per-chunk ``jax.vmap``.
         remat: True to rematerialise each chunk in reverse mode (bounded memory, about one extra
             forward pass of compute); False to store every chunk's residuals (memory grows
             with ``n``, as ``jax.lax.map``); or a ``jax.checkpoint`` policy to save some.
+        memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
+            device's free memory (``chunkop._budget.default_budget``).
 
     Returns:
         A function with ``fun``'s signature whose outputs have the mapped axis at ``out_axes``.
@@ -343,6 +355,7 @@ def vmap(
             axis_size=axis_size,
             spmd_axis_name=spmd_axis_name,
             remat=remat,
+            memory_budget=memory_budget,
         ),
     )
 
@@ -355,7 +368,9 @@ class _Mapped(_VMapped):
         return flat_in_axes(self.in_axes, args, kwargs, self.where, arg_names=("xs",))
 
 
-def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  # noqa: A001
+def map(  # noqa: A001
+    f: Callable, xs: Any, *, chunk_size: int | str, remat: Remat = True, memory_budget: int | None = None
+) -> Any:
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
 
     Like ``jax.lax.map(f, xs, batch_size=chunk_size)``, but each chunk is rematerialised in
@@ -366,8 +381,10 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
     Args:
         f: function of one slice of ``xs``.
         xs: pytree of arrays sharing a leading axis.
-        chunk_size: the number of slices vectorised at once (a positive int).
+        chunk_size: the number of slices vectorised at once (a positive int), or ``"auto"``
+            (as in :func:`chunkop.vmap`).
         remat: as in :func:`chunkop.vmap`.
+        memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
         The stacked outputs of ``f``, leading axis ``xs``'s leading axis.
@@ -377,8 +394,9 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
         >>> chunkop.map(lambda x: x.sum(), jnp.ones((7, 3)), chunk_size=2)
         Array([3., 3., 3., 3., 3., 3., 3.], dtype=float32)
     """
-    chunk_size = check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
+    chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=_Mapped.where)
     mapped = _Mapped(
-        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat
+        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat,
+        memory_budget=memory_budget,
     )
     return mapped(xs)
