@@ -70,6 +70,13 @@ class BudgetPlan(NamedTuple):
             model was needed, i.e. the unchunked program fits).
         compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``.
         probes: every ``(chunk, temp_bytes)`` compiled while planning, in order.
+
+    Example:
+        >>> import jax.numpy as jnp, chunkop
+        >>> f = chunkop.sum(lambda x: jnp.sin(x) ** 2, chunk_size="auto", memory_budget=2**30)
+        >>> plan = chunkop.plan(f, jnp.zeros(1000))
+        >>> plan.chunk, plan.size, plan.compiled_bytes <= plan.budget
+        (None, 1000, True)
     """
 
     chunk: int | None
