@@ -222,9 +222,9 @@ def test_bad_memory_budget(bad):
 
 
 def test_bad_chunk_size_string():
-    with pytest.raises(ValueError, match=r"chunk_size.*\"auto\""):
+    with pytest.raises(TypeError, match=r"chunk_size.*\"auto\", got 'automatic'"):
         chunkop.vmap(jnp.sin, chunk_size="automatic")
-    with pytest.raises(ValueError, match="chunk_size"):
+    with pytest.raises(TypeError, match="RowOperator: `chunk_size`"):
         chunkop.RowOperator(lambda r, x: r * x[0], jnp.ones(3), jnp.zeros(2), chunk_size="max")
 
 

@@ -494,9 +494,9 @@ def check_chunk_size_or_auto(chunk_size: Any, *, allow_none: bool = True, where:
     if isinstance(chunk_size, str):
         if chunk_size == "auto":
             return "auto"
-        raise ValueError(
-            f"{where}: `chunk_size` must be a positive int, "
-            f"{'None or ' if allow_none else ''}\"auto\", got {chunk_size!r}."
+        raise TypeError(
+            f"{where}: `chunk_size` must be a positive int, {'None, ' if allow_none else ''}or "
+            f"\"auto\", got {chunk_size!r} of type str."
         )
     from ._axes import check_chunk_size
 
