@@ -79,6 +79,16 @@ def test_choose_chunk_budget_too_small_raises_with_the_least_memory():
         _budget.choose_chunk(lambda c: 1000 + c, n=100, budget=500)
 
 
+def test_choose_chunk_throughput_cap():
+    temp = lambda c: 1000 + 10 * c  # noqa: E731
+    plan = _budget.choose_chunk(temp, n=100_000, budget=10**9, cap=101_000)
+    assert plan.chunk == 10_000 and plan.budget == 10**9 and plan.cap == 101_000
+    # nothing fits the cap but something fits the budget: the least-memory chunk, no error
+    plan = _budget.choose_chunk(lambda c: 50_000 + c, n=1000, budget=60_000, cap=10_000)
+    assert plan.chunk is not None and plan.compiled_bytes <= 60_000
+    assert _budget.throughput_cap() == _budget.CPU_TEMP_CAP  # the tests run on CPU
+
+
 def test_balanced_chunk():
     assert _budget.balanced_chunk(1000, 600) == 500
     assert _budget.balanced_chunk(1000, 2000) == 1000
