@@ -184,6 +184,23 @@ def vmap_spmd_axis_name_auto_under_jit():
 
 
 @check
+def vmap_axis_name_collective_on_shards_refused():
+    mesh = mesh_of("explicit")
+    _, xs = data()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        ok = chunkop.vmap(lambda v: v * 2, axis_name="i", chunk_size=4)  # no collective: fine
+        close(ok(x), xs * 2)
+        bad = chunkop.vmap(lambda v: v / jax.lax.psum(v, "i"), axis_name="i", chunk_size=None)
+        try:
+            bad(x)
+        except ValueError as e:
+            assert "collective" in str(e) and "shard" in str(e), e
+        else:
+            raise AssertionError("a psum over the sharded mapped axis was not refused")
+
+
+@check
 def map_sharded():
     mesh = mesh_of("explicit")
     _, xs = data()

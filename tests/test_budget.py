@@ -89,12 +89,6 @@ def test_choose_chunk_throughput_cap():
     assert _budget.throughput_cap() == _budget.CPU_TEMP_CAP  # the tests run on CPU
 
 
-def test_balanced_chunk():
-    assert _budget.balanced_chunk(1000, 600) == 500
-    assert _budget.balanced_chunk(1000, 2000) == 1000
-    assert _budget.balanced_chunk(7, 3) == 3
-
-
 def test_default_budget_is_a_fraction_of_free_memory():
     free = _budget.free_memory()
     assert free > 0

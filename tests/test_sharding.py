@@ -25,6 +25,7 @@ NAMES = [
     "vmap_other_axes_and_pytrees",
     "vmap_grad",
     "vmap_spmd_axis_name_auto_under_jit",
+    "vmap_axis_name_collective_on_shards_refused",
     "map_sharded",
     "sum_mean_values_grad_one_allreduce",
     "operator_sharded_rows_explicit",

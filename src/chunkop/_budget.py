@@ -5,23 +5,26 @@ The planner never guesses memory from shapes: it asks XLA. Given a callable
 ``memory_analysis().temp_size_in_bytes``, :func:`choose_chunk`
 
 1. compiles the whole axis unchunked (``chunk = n``); if it fits, there is no chunking at all;
-2. otherwise compiles at two chunk sizes and fits an affine model ``a + b * chunk`` (the temp
-   memory of a chunked program is, above a small floor, affine in the chunk: one chunk's
-   intermediates plus chunk-independent buffers);
-3. picks the largest chunk the model allows, balanced so the chunks are equal up to one
-   element, compiles it and, if it is over the budget, refits on the two closest measurements
-   (secant) and shrinks, until a compiled chunk fits.
+2. otherwise compiles at two chunk sizes and fits an affine model ``a + b * chunk`` (above a
+   small floor, a chunked program's temp memory is one chunk's intermediates plus
+   chunk-independent buffers);
+3. compiles the largest chunk the model allows (preferring chunks that leave no or a small
+   remainder) and, while the answer is not settled, brackets between the largest chunk that
+   fitted and the smallest that did not, interpolating linearly; the largest compiled chunk
+   within the budget wins.
 
 The temp memory counted is XLA's temporary buffers (intermediates, scan carries, residuals):
 not the arguments and outputs, which exist whatever the chunk. The budget is compared with the
-*worst* of the transforms the program may be run under (see :func:`program_temp_bytes`): by
-default the forward program and its VJP (what ``jax.grad`` of a loss built on it compiles),
-since a wrapper called inside a user's ``jax.grad`` cannot know, when it plans, which
-transform will be applied. Second-order use (``hvp``, ``hessian``) needs ``mode="hvp"``.
+*worst* of the transforms the program may be run under (see :func:`program_temp_bytes`): the
+forward program and its VJP (what ``jax.grad`` of a loss built on it compiles), since a wrapper
+called inside a user's ``jax.grad`` cannot always know, when it plans, which transform will be
+applied; and also the Hessian-vector product when the arguments arrive traced under two
+forward-mode levels (:func:`plan_mode`).
 
 The default budget (:func:`default_budget`) is ``DEFAULT_FRACTION`` of the device's free
 memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on accelerators, and
-``MemAvailable`` from ``/proc/meminfo`` on CPU.
+``MemAvailable`` from ``/proc/meminfo`` on CPU. On CPU the search also aims no higher than
+:data:`CPU_TEMP_CAP` (cache-sized chunks are faster there).
 """
 
 from __future__ import annotations
@@ -45,7 +48,6 @@ __all__ = [
     "check_memory_budget",
     "check_mode",
     "program_temp_bytes",
-    "balanced_chunk",
 ]
 
 #: Fraction of the free device memory used as the default budget for temp buffers.
@@ -186,29 +188,6 @@ def default_budget(device: Any = None) -> int:
         True
     """
     return max(1, int(DEFAULT_FRACTION * free_memory(device)))
-
-
-def balanced_chunk(n: int, limit: int) -> int:
-    """The chunk that cuts ``n`` into the fewest chunks of at most ``limit``, all nearly equal.
-
-    ``ceil(n / ceil(n / limit))``: no larger than ``limit``, and the remainder chunk is not a
-    sliver (``balanced_chunk(1000, 600) == 500``).
-
-    Args:
-        n: the axis size (positive).
-        limit: the largest allowed chunk (positive).
-
-    Returns:
-        The chunk size.
-
-    Example:
-        >>> from chunkop._budget import balanced_chunk
-        >>> balanced_chunk(1000, 600), balanced_chunk(1000, 1000), balanced_chunk(10, 3)
-        (500, 1000, 3)
-    """
-    limit = max(1, min(int(limit), n))
-    pieces = -(-n // limit)
-    return -(-n // pieces)
 
 
 def choose_chunk(
@@ -444,21 +423,6 @@ def _is_array_like(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, float, complex)) or (
         isinstance(x, int) and not isinstance(x, bool)
     )
-
-
-def signature(args: tuple, kwargs: dict) -> tuple:
-    """A hashable key for a call: tree structure, shape/dtype of array leaves, other leaves as is."""
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    sig = []
-    for x in leaves:
-        if _is_array_like(x) and not isinstance(x, (int, float, complex)):
-            s = _struct(x)
-            sig.append(("array", s.shape, str(s.dtype)))
-        elif isinstance(x, (int, float, complex)):
-            sig.append(("scalar", type(x).__name__))
-        else:
-            sig.append(("static", x))
-    return (treedef, tuple(sig))
 
 
 def call_temp_bytes(

@@ -189,6 +189,9 @@ def call_sharded(
             f"{shards} devices, which does not divide it; pad the inputs to a multiple of "
             f"{shards} or shard them evenly."
         )
+    axis_name = getattr(wrapper, "axis_name", None)
+    if axis_name is not None:
+        _refuse_collectives(wrapper, leaves, treedef, axes, n, mesh_axes)
     dynamic = [_is_array(x) for x in leaves]
     static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
     dyn = [x for x, d in zip(leaves, dynamic) if d]
@@ -200,8 +203,28 @@ def call_sharded(
     return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes)(*dyn)
 
 
+def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: MeshAxes) -> None:
+    """A collective over ``axis_name`` would see one device's shard only: refuse it."""
+    from ._trace import trace_example
+
+    try:
+        trace_example(
+            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name,
+            chunk_size=n // mesh_axes.n_shards, remat=False, where=wrapper.where,
+        )
+    except ValueError as e:
+        if "collective" not in str(e):
+            raise
+        raise ValueError(
+            f"{wrapper.where}: `fun` uses a collective over axis_name={wrapper.axis_name!r}, but "
+            f"the mapped inputs are sharded over mesh axes {mesh_axes.names}, so each device "
+            f"would see only its own shard ({n // mesh_axes.n_shards} of {n}): a silently wrong "
+            f"result. Replicate the inputs, or compute the reduction with chunkop.sum."
+        ) from None
+
+
 def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, shapes: tuple, mesh_axes: MeshAxes):
-    """The jitted ``shard_map`` of ``wrapper`` over the dynamic (array) leaves."""
+    """The ``shard_map`` of ``wrapper`` over the dynamic (array) leaves."""
     where = getattr(wrapper, "where", "chunkop")
     mesh, names = mesh_axes
     n_leaves = len(axes)
