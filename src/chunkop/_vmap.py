@@ -296,13 +296,18 @@ def vmap(
     inputs are not copied either. ``chunk_size=None`` or ``chunk_size >= n`` is exactly
     ``jax.vmap``.
 
-    Tracing: when chunking, ``fun`` is traced once abstractly on one example (output shapes,
-    collectives), once at ``chunk_size`` and, if ``n % chunk_size != 0``, once at the remainder
-    size; the chunk loop is then cached per input signature, so repeated calls (eager or under
-    ``jit``) do not retrace. As under ``jax.jit``, array arguments are abstract while tracing.
+    Tracing: when chunking, each call traces ``fun`` once on one abstract example (as
+    ``jax.vmap`` traces it once per call), so results always reflect the state at call time.
+    Arrays ``fun`` closes over, unmapped array arguments and tracers of enclosing transforms are
+    hoisted out of that trace and passed to the compiled chunk loop as arguments (closure
+    conversion); the loop is cached by what was traced (the jaxpr's structure, shapes and
+    dtypes), never by ``fun``, so repeated calls compile once. Unmapped non-array arguments
+    reach ``fun`` as ``jax.vmap`` passes them. See :func:`chunkop.clear_caches`.
 
-    Collectives over ``axis_name`` (``psum``, ``axis_index``, ``all_gather`` ...) cannot be
-    computed chunk by chunk; ``fun`` using one with ``chunk_size < n`` raises ``ValueError``.
+    Collectives over ``axis_name`` (``psum`` of mapped values, ``axis_index``, ``all_gather``
+    ...) cannot be computed chunk by chunk; ``fun`` using one with ``chunk_size < n`` raises
+    ``ValueError`` (also when only a custom rule uses it). Queries of the axis size
+    (``lax.axis_size``, ``lax.psum`` of an unmapped value) give the full size ``n``.
 
     Args:
         fun: function to map. Keyword arguments are mapped over their axis 0 (as ``jax.vmap``).
