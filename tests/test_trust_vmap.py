@@ -489,3 +489,34 @@ def test_map_errors_name_only_its_own_arguments():
     with pytest.raises(TypeError, match=r"chunkop\.map: argument xs\['s'\] is mapped") as e:
         chunkop.map(lambda t: t["x"], {"x": X, "s": "str"}, chunk_size=2)
     assert "in_axes" not in str(e.value)
+
+
+# -- the fingerprint itself ----------------------------------------------------------------------
+
+
+def _key(f, *args):
+    from chunkop._cache import jaxpr_key
+
+    return jaxpr_key(jax.make_jaxpr(f)(*args).jaxpr)
+
+
+def test_fingerprint_equal_for_equal_traces_and_distinct_otherwise():
+    x = jnp.ones(3)
+    w1, w2 = jnp.ones(3), jnp.zeros(3)
+    assert _key(lambda x: jnp.sin(x) * w1, x) == _key(lambda x: jnp.sin(x) * w2, x)  # consts: by aval
+    assert _key(lambda x: x * 2.0, x) != _key(lambda x: x * 3.0, x)  # literals: by value
+    assert _key(lambda x: jnp.sin(x), x) != _key(lambda x: jnp.cos(x), x)
+    assert _key(lambda x: x[:2], x) != _key(lambda x: x[1:], x)  # parameters
+    assert _key(lambda x: x + 1, x) != _key(lambda x: x + 1, x.astype(jnp.int32))  # avals
+    # a library custom_jvp (relu) keys equal across traces: eager calls keep their cache hits
+    assert _key(jax.nn.relu, x) == _key(jax.nn.relu, x)
+
+
+def test_functions_with_library_custom_jvp_compile_once():
+    f = chunkop.vmap(lambda x: jax.nn.relu(x) + jax.nn.softplus(x), chunk_size=CHUNK)
+    f(X)
+    x1 = X + 1
+    with CompileCounter() as compiles:
+        got = f(x1)
+    assert compiles.count == 0
+    assert_tree_allclose(got, jax.nn.relu(x1) + jax.nn.softplus(x1))
