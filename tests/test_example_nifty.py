@@ -36,45 +36,53 @@ def _random_position(lh, key):
     return jft.Vector(lh.init(key))
 
 
-def test_chunked_response_matches_vmap_response(setup):
+@jax.jit
+def _everything(lh, x, t, ts):
+    """Forward model, energy, gradient, metric (one tangent and vmapped), and ``J^T N^-1 J t``
+    built by hand from ``jax.jvp``/``jax.vjp`` of the forward model."""
+    energy, grad = jax.value_and_grad(lh)(x)
+    y, jt = jax.jvp(lh.forward, (x,), (t,))
+    _, vjp = jax.vjp(lh.forward, x)
+    (gauss_newton,) = vjp(lh.likelihood.noise_cov_inv(jt))
+    return {
+        "forward": y,
+        "energy": energy,
+        "grad": grad,
+        "metric": lh.metric(x, t),
+        "metric_vmapped": jax.vmap(lh.metric, in_axes=(None, 0))(x, ts),
+        "gauss_newton": gauss_newton,
+    }
+
+
+@pytest.fixture(scope="module")
+def computed(setup):
     lh, ref = setup.likelihood("chunkop"), setup.likelihood("vmap")
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    x = _random_position(lh, k1)
-    t = _random_position(lh, k2)
-    # the forward models agree with each other and the data are of the model's order
-    y_chunk, y_ref = lh.forward(x), ref.forward(x)
-    np.testing.assert_allclose(y_chunk, y_ref, rtol=2e-5, atol=1e-6 * float(jnp.abs(y_ref).max()))
-    np.testing.assert_allclose(lh(x), ref(x), rtol=1e-5)
-
-    grad, grad_ref = jax.jit(jax.grad(lh))(x), jax.jit(jax.grad(ref))(x)
-    scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(grad_ref))
-    assert scale > 0
-    assert_tree_allclose(grad, grad_ref, rtol=1e-4, atol=1e-5 * scale)
-
-    metric = jax.jit(lh.metric)(x, t)
-    metric_ref = jax.jit(ref.metric)(x, t)
-    scale = max(float(jnp.abs(m).max()) for m in jax.tree_util.tree_leaves(metric_ref))
-    assert scale > 0
-    assert_tree_allclose(metric, metric_ref, rtol=1e-4, atol=1e-5 * scale)
-
-    # MGVI applies the metric to samples under jax.vmap
-    ts = jax.vmap(lambda k: _random_position(lh, k))(jax.random.split(k3, 3))
-    vm = jax.jit(jax.vmap(lh.metric, in_axes=(None, 0)))(x, ts)
-    vm_ref = jax.jit(jax.vmap(ref.metric, in_axes=(None, 0)))(x, ts)
-    assert_tree_allclose(vm, vm_ref, rtol=1e-4, atol=1e-5 * scale)
+    x, t = _random_position(lh, k1), _random_position(lh, k2)
+    ts = jax.vmap(lambda k: _random_position(lh, k))(jax.random.split(k3, 3))  # MGVI vmaps over samples
+    return _everything(lh, x, t, ts), _everything(ref, x, t, ts)
 
 
-def test_metric_is_the_gauss_newton_matrix(setup):
+def _scale(tree) -> float:
+    return max(float(jnp.abs(leaf).max()) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def test_chunked_response_matches_vmap_response(computed):
+    got, ref = computed
+    np.testing.assert_allclose(got["forward"], ref["forward"], rtol=2e-5, atol=1e-6 * _scale(ref["forward"]))
+    np.testing.assert_allclose(got["energy"], ref["energy"], rtol=1e-5)
+    for key in ("grad", "metric", "metric_vmapped"):
+        scale = _scale(ref[key])
+        assert scale > 0, key
+        assert_tree_allclose(got[key], ref[key], rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_metric_is_the_gauss_newton_matrix(computed):
     """The likelihood part of the MGVI metric: ``metric(x, t) = J^T N^-1 J t``, ``J`` the response's Jacobian."""
-    lh = setup.likelihood("chunkop")
-    x = _random_position(lh, jax.random.key(5))
-    t = _random_position(lh, jax.random.key(6))
-    _, jt = jax.jvp(lh.forward, (x,), (t,))
-    _, vjp = jax.vjp(lh.forward, x)
-    (expected,) = vjp(jt / setup.sigma**2)
-    got = lh.metric(x, t)
-    scale = max(float(jnp.abs(m).max()) for m in jax.tree_util.tree_leaves(expected))
-    assert_tree_allclose(got, expected, rtol=1e-4, atol=1e-5 * scale)
+    got, _ = computed
+    scale = _scale(got["gauss_newton"])
+    assert scale > 0
+    assert_tree_allclose(got["metric"], got["gauss_newton"], rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_bad_response_name(setup):
