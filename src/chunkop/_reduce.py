@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ._chunking import Remat, sum_chunks
+from ._progress import Progress
 from ._vmap import _Chunked, _wrap
 
 __all__ = ["sum", "mean"]
@@ -55,7 +56,7 @@ class _Summed(_Chunked):
             return jax.tree_util.tree_map(lambda o: jnp.sum(o, axis=0), outs)
 
         init = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), out_shapes)
-        return self._finish(sum_chunks(chunk_fn, moved, plan, self.remat, init), plan.size)
+        return self._finish(sum_chunks(chunk_fn, moved, plan, self.remat, init, self.progress), plan.size)
 
 
 class _Averaged(_Summed):
@@ -63,7 +64,7 @@ class _Averaged(_Summed):
     divide = True
 
 
-def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat) -> Callable:
+def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat, progress=None) -> Callable:
     return _wrap(
         fun,
         cls(
@@ -74,6 +75,7 @@ def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_s
             axis_size=axis_size,
             spmd_axis_name=None,
             remat=remat,
+            progress=progress,
         ),
     )
 
@@ -85,6 +87,7 @@ def sum(  # noqa: A001
     chunk_size: int | None,
     axis_size: int | None = None,
     remat: Remat = True,
+    progress: Progress = None,
 ) -> Callable:
     """``lambda *a: jax.vmap(fun, in_axes)(*a)`` summed over the mapped axis, chunk by chunk.
 
@@ -99,6 +102,7 @@ def sum(  # noqa: A001
         chunk_size: the largest number of elements vectorised at once; None for no chunking.
         axis_size: size of the mapped axis when no argument is mapped.
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
 
     Returns:
         A function returning the pytree of sums (each leaf with ``fun``'s per-element shape).
@@ -109,7 +113,7 @@ def sum(  # noqa: A001
         >>> jax.grad(loss)(jnp.ones(3), jnp.ones((10, 3)))
         Array([60., 60., 60.], dtype=float32)
     """
-    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat)
+    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress)
 
 
 def mean(
@@ -119,6 +123,7 @@ def mean(
     chunk_size: int | None,
     axis_size: int | None = None,
     remat: Remat = True,
+    progress: Progress = None,
 ) -> Callable:
     """Like :func:`chunkop.sum`, divided by the size of the mapped axis.
 
@@ -128,6 +133,7 @@ def mean(
         chunk_size: the largest number of elements vectorised at once; None for no chunking.
         axis_size: size of the mapped axis when no argument is mapped.
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
 
     Returns:
         A function returning the pytree of means.
@@ -137,4 +143,4 @@ def mean(
         >>> chunkop.mean(jnp.sin, chunk_size=4)(jnp.zeros(10))
         Array(0., dtype=float32)
     """
-    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat)
+    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress)

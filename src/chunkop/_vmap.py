@@ -22,6 +22,7 @@ from ._axes import (
     mapped_size,
 )
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
+from ._progress import Progress, check_progress
 
 __all__ = ["vmap", "map"]
 
@@ -134,6 +135,7 @@ class _Chunked(abc.ABC):
         axis_size: int | None,
         spmd_axis_name: Any,
         remat: Remat,
+        progress: Progress = None,
     ) -> None:
         if not callable(fun):
             raise TypeError(f"{self.where}: `fun` must be callable, got {fun!r}.")
@@ -145,13 +147,14 @@ class _Chunked(abc.ABC):
         self.axis_size = axis_size
         self.spmd_axis_name = spmd_axis_name
         self.remat = _check_remat(remat, self.where)
+        self.progress = check_progress(progress, self.where)
         self._jit: Callable | None = None  # made on first chunked call (see `_jitted`)
 
     def _config(self) -> tuple:
         """Everything that determines the computation besides the call's arguments."""
         return (
             type(self), self.fun, self.in_axes, getattr(self, "out_axes", None), self.chunk_size,
-            self.axis_name, self.axis_size, self.spmd_axis_name, self.remat,
+            self.axis_name, self.axis_size, self.spmd_axis_name, self.remat, self.progress,
         )
 
     @property
@@ -296,7 +299,7 @@ class _VMapped(_Chunked):
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
         ys_full, ys_rem, zs = stack_chunks(
-            chunk_fn, moved, plan, self.remat, [out_leaves[k] for k in carried]
+            chunk_fn, moved, plan, self.remat, [out_leaves[k] for k in carried], progress=self.progress
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
@@ -321,6 +324,7 @@ def vmap(
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
     remat: Remat = True,
+    progress: Progress = None,
 ) -> Callable:
     """``jax.vmap`` that computes the mapped axis in sequential chunks of at most ``chunk_size``.
 
@@ -356,6 +360,12 @@ def vmap(
         remat: True to rematerialise each chunk in reverse mode (bounded memory, about one extra
             forward pass of compute); False to store every chunk's residuals (memory grows
             with ``n``, as ``jax.lax.map``); or a ``jax.checkpoint`` policy to save some.
+        progress: True to show a progress bar on stderr (tqdm if installed, else ``k/n chunks``)
+            advanced by every chunk from inside the compiled loop, eagerly and under ``jit``; or
+            a callable ``progress(k, n)`` called on the host after chunk ``k`` of ``n`` (the
+            remainder counts as one; under ``vmap`` it may be called repeatedly with the same
+            ``k``; reports are asynchronous, ``jax.effects_barrier()`` waits for them). None or
+            False (default): nothing is added to the program. No report when not chunking.
 
     Returns:
         A function with ``fun``'s signature whose outputs have the mapped axis at ``out_axes``.
@@ -377,6 +387,7 @@ def vmap(
             axis_size=axis_size,
             spmd_axis_name=spmd_axis_name,
             remat=remat,
+            progress=progress,
         ),
     )
 
@@ -385,7 +396,7 @@ class _Mapped(_VMapped):
     where = "chunkop.map"
 
 
-def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  # noqa: A001
+def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True, progress: Progress = None) -> Any:  # noqa: A001
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
 
     Like ``jax.lax.map(f, xs, batch_size=chunk_size)``, but each chunk is rematerialised in
@@ -396,6 +407,7 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
         xs: pytree of arrays sharing a leading axis.
         chunk_size: the number of slices vectorised at once (a positive int).
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
 
     Returns:
         The stacked outputs of ``f``, leading axis ``xs``'s leading axis.
@@ -407,16 +419,17 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
     """
     chunk_size = check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
     try:
-        mapped = _mapped_for(f, chunk_size, remat)
+        mapped = _mapped_for(f, chunk_size, remat, progress)
     except TypeError:  # unhashable f or policy: no cache
-        mapped = _mapped_for.__wrapped__(f, chunk_size, remat)
+        mapped = _mapped_for.__wrapped__(f, chunk_size, remat, progress)
     return mapped(xs)
 
 
 @functools.lru_cache(maxsize=64)
-def _mapped_for(f: Callable, chunk_size: int, remat: Remat) -> _Mapped:
+def _mapped_for(f: Callable, chunk_size: int, remat: Remat, progress: Progress = None) -> _Mapped:
     """One wrapper (and so one compiled chunk loop) per ``(f, chunk_size, remat)``: repeated
     eager ``chunkop.map`` calls with the same ``f`` do not recompile."""
     return _Mapped(
-        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat
+        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat,
+        progress=progress,
     )
