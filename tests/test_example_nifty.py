@@ -22,7 +22,6 @@ jft = pytest.importorskip("nifty.re")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
 import nifty_vi  # noqa: E402
-
 from conftest import assert_tree_allclose  # noqa: E402
 
 

@@ -11,12 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import primitive_names
 
 import chunkop
 from chunkop import _progress
 from chunkop._chunking import make_plan
-
-from conftest import primitive_names
 
 
 def _mlp(w, x):
@@ -138,9 +137,9 @@ def test_compiled_temp_memory_is_unchanged():
 def test_bad_progress_argument():
     with pytest.raises(TypeError, match="`progress` must be"):
         chunkop.vmap(jnp.sin, chunk_size=2, progress="yes")
-    with pytest.raises(TypeError, match="chunkop.sum: `progress`"):
+    with pytest.raises(TypeError, match=r"chunkop\.sum: `progress`"):
         chunkop.sum(jnp.sin, chunk_size=2, progress=3)
-    with pytest.raises(TypeError, match="chunkop.map: `progress`"):
+    with pytest.raises(TypeError, match=r"chunkop\.map: `progress`"):
         chunkop.map(jnp.sin, jnp.ones(4), chunk_size=2, progress=1.5)
 
 
@@ -162,7 +161,10 @@ def test_plain_fallback_bar(monkeypatch):
     for k in (1, 1, 2, 3, 3, 4, 4):  # repeated counts (vmap) are ignored
         bar.update(k, 4)
     bar.update(1, 4)  # a new call of the same loop starts a new line
-    assert stream.getvalue() == "\rdemo: 1/4 chunks\rdemo: 2/4 chunks\rdemo: 3/4 chunks\rdemo: 4/4 chunks\n\rdemo: 1/4 chunks"
+    assert (
+        stream.getvalue()
+        == "\rdemo: 1/4 chunks\rdemo: 2/4 chunks\rdemo: 3/4 chunks\rdemo: 4/4 chunks\n\rdemo: 1/4 chunks"
+    )
 
 
 def test_progress_true_writes_k_of_n_to_stderr(monkeypatch, capsys):

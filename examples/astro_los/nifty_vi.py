@@ -45,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import los  # noqa: E402
+import los
 
-import chunkop  # noqa: E402
+import chunkop
 
 try:
     import nifty.re as jft
@@ -86,13 +86,25 @@ def correlated_field(nx: int, ny: int, edges: np.ndarray) -> jft.Model:
     cfm = jft.CorrelatedFieldMaker("sky ")
     cfm.set_amplitude_total_offset(offset_mean=0.0, offset_std=(0.3, 0.1))
     cfm.add_fluctuations(
-        (nx, ny), distances=1.0, fluctuations=(0.6, 0.2), loglogavgslope=(-3.0, 0.5),
-        flexibility=(0.5, 0.2), asperity=None, prefix="xy ", non_parametric_kind="power",
+        (nx, ny),
+        distances=1.0,
+        fluctuations=(0.6, 0.2),
+        loglogavgslope=(-3.0, 0.5),
+        flexibility=(0.5, 0.2),
+        asperity=None,
+        prefix="xy ",
+        non_parametric_kind="power",
     )
     dlnr = float(np.log(edges[1] / edges[0]))
     cfm.add_fluctuations(
-        edges.size - 1, distances=dlnr, fluctuations=(0.6, 0.2), loglogavgslope=(-4.0, 0.5),
-        flexibility=None, asperity=None, prefix="r ", non_parametric_kind="power",
+        edges.size - 1,
+        distances=dlnr,
+        fluctuations=(0.6, 0.2),
+        loglogavgslope=(-4.0, 0.5),
+        flexibility=None,
+        asperity=None,
+        prefix="r ",
+        non_parametric_kind="power",
     )
     return cfm.finalize()
 
@@ -226,7 +238,9 @@ def run(
         n_samples=samples or cfg.samples,
         key=key,
         draw_linear_kwargs=dict(cg_name="SL", cg_kwargs=dict(absdelta=1e-4 * n_params, maxiter=cfg.cg_iters)),
-        nonlinearly_update_kwargs=dict(minimize_kwargs=dict(name="SN", xtol=1e-4, cg_kwargs=dict(name=None), maxiter=3)),
+        nonlinearly_update_kwargs=dict(
+            minimize_kwargs=dict(name="SN", xtol=1e-4, cg_kwargs=dict(name=None), maxiter=3)
+        ),
         kl_kwargs=dict(minimize_kwargs=dict(name="M", xtol=1e-4, cg_kwargs=dict(name=None), maxiter=cfg.kl_iters)),
         sample_mode="linear_resample",
         odir=None,
@@ -278,7 +292,7 @@ def plot(S: Setup, mean, std, col_mean, col_std, path: str) -> None:
     cfg = S.size
     k = cfg.n_bins // 3
     r_k = float(np.sqrt(S.edges[k] * S.edges[k + 1]))
-    grid = lambda a: np.asarray(a).reshape(cfg.nx, cfg.ny).T  # noqa: E731
+    grid = lambda a: np.asarray(a).reshape(cfg.nx, cfg.ny).T
     rows = [
         ("distance-integrated column", S.sky_true.sum(-1), col_mean, col_std),
         (f"slice r = {r_k:.0f}", S.sky_true[:, k], mean[:, k], std[:, k]),
