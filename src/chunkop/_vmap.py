@@ -22,6 +22,7 @@ from ._axes import (
 )
 from ._cache import Uncacheable, cached, callable_key
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
+from ._progress import Progress, check_progress
 from ._trace import eval_traced, trace_example
 
 __all__ = ["vmap", "map"]
@@ -64,6 +65,11 @@ def _narrow(consts: list, dtypes: list) -> list:
     return [c if jnp.result_type(c) == d else c.astype(d) for c, d in zip(consts, dtypes)]
 
 
+def _setting_key(value: Any) -> Hashable:
+    """A cache key for ``remat``/``progress``: by value for True/False/None, else the callable's key."""
+    return value if value is None or isinstance(value, bool) else callable_key(value)
+
+
 class LoopSpec(NamedTuple):
     """Everything static about one chunk loop besides the jaxpr (hashable: part of its key)."""
 
@@ -72,6 +78,7 @@ class LoopSpec(NamedTuple):
     remat: Remat
     spmd_axis_name: Any
     out_axes: tuple  # flat, one per output leaf (stacking loops only)
+    progress: Progress = None
 
 
 def _chunk_vmap(jaxpr: Any, spec: LoopSpec, consts: list, dtypes: list, out_axes: Any, m: int) -> Callable:
@@ -103,7 +110,8 @@ def stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, l
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
         ys_full, ys_rem, zs = stack_chunks(
-            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, [out_leaves[k] for k in carried]
+            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, [out_leaves[k] for k in carried],
+            progress=spec.progress,
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
@@ -139,6 +147,7 @@ class _Chunked(abc.ABC):
         axis_size: int | None,
         spmd_axis_name: Any,
         remat: Remat,
+        progress: Progress = None,
     ) -> None:
         if not callable(fun):
             raise TypeError(f"{self.where}: `fun` must be callable, got {fun!r}.")
@@ -149,6 +158,7 @@ class _Chunked(abc.ABC):
         self.axis_size = check_axis_size(axis_size, self.where)
         self.spmd_axis_name = spmd_axis_name
         self.remat = check_remat(remat, self.where)
+        self.progress = check_progress(progress, self.where)
 
     def _flat_arguments(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
         return flat_in_axes(self.in_axes, args, kwargs, self.where)
@@ -172,6 +182,7 @@ class _Chunked(abc.ABC):
             remat=self.remat,
             spmd_axis_name=self.spmd_axis_name,
             out_axes=self._flat_out_axes(traced.out_shapes),
+            progress=self.progress,
         )
         make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
         loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
@@ -206,8 +217,11 @@ class _Chunked(abc.ABC):
 
     def _cached_loop(self, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:
         try:
-            remat_key = spec.remat if isinstance(spec.remat, bool) else callable_key(spec.remat)
-            full_key = (type(self).__name__, key, spec._replace(remat=remat_key))
+            full_key = (
+                type(self).__name__,
+                key,
+                spec._replace(remat=_setting_key(spec.remat), progress=_setting_key(spec.progress)),
+            )
             hash(full_key)
         except (Uncacheable, TypeError):
             return make()
@@ -282,6 +296,7 @@ def vmap(
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
     remat: Remat = True,
+    progress: Progress = None,
 ) -> Callable:
     """``jax.vmap`` that computes the mapped axis in sequential chunks of at most ``chunk_size``.
 
@@ -322,6 +337,12 @@ def vmap(
         remat: True to rematerialise each chunk in reverse mode (bounded memory, about one extra
             forward pass of compute); False to store every chunk's residuals (memory grows
             with ``n``, as ``jax.lax.map``); or a ``jax.checkpoint`` policy to save some.
+        progress: True to show a progress bar on stderr (tqdm if installed, else ``k/n chunks``)
+            advanced by every chunk from inside the compiled loop, eagerly and under ``jit``; or
+            a callable ``progress(k, n)`` called on the host after chunk ``k`` of ``n`` (the
+            remainder counts as one; under ``vmap`` it may be called repeatedly with the same
+            ``k``; reports are asynchronous, ``jax.effects_barrier()`` waits for them). None or
+            False (default): nothing is added to the program. No report when not chunking.
 
     Returns:
         A function with ``fun``'s signature whose outputs have the mapped axis at ``out_axes``.
@@ -343,6 +364,7 @@ def vmap(
             axis_size=axis_size,
             spmd_axis_name=spmd_axis_name,
             remat=remat,
+            progress=progress,
         ),
     )
 
@@ -355,7 +377,7 @@ class _Mapped(_VMapped):
         return flat_in_axes(self.in_axes, args, kwargs, self.where, arg_names=("xs",))
 
 
-def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  # noqa: A001
+def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True, progress: Progress = None) -> Any:  # noqa: A001
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
 
     Like ``jax.lax.map(f, xs, batch_size=chunk_size)``, but each chunk is rematerialised in
@@ -368,6 +390,7 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
         xs: pytree of arrays sharing a leading axis.
         chunk_size: the number of slices vectorised at once (a positive int).
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
 
     Returns:
         The stacked outputs of ``f``, leading axis ``xs``'s leading axis.
@@ -379,6 +402,7 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True) -> Any:  
     """
     chunk_size = check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
     mapped = _Mapped(
-        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat
+        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat,
+        progress=progress,
     )
     return mapped(xs)
