@@ -70,7 +70,7 @@ class Size:
 
 SIZES = {
     "tiny": Size(nx=8, ny=6, n_bins=12, n_los=1500, chunk=500, iters=2, samples=2, cg_iters=20, kl_iters=3),
-    "small": Size(nx=32, ny=24, n_bins=24, n_los=24_000, chunk=4096, iters=6, samples=4, cg_iters=60, kl_iters=8),
+    "small": Size(nx=32, ny=24, n_bins=24, n_los=24_000, chunk=4096, iters=12, samples=4, cg_iters=60, kl_iters=8),
 }
 
 
