@@ -115,7 +115,8 @@ def test_structures_and_properties():
     assert (A.T.in_size(), A.T.out_size()) == (N, NPIX * K)
     assert A.n_rows == N and A.T.n_rows == N
     assert A.chunk_size == 3 and A.T.chunk_size == 3
-    assert A.row_fn is los_row and A.T.row_fn is los_row
+    assert_tree_allclose(jax.vmap(A.row_fn, (0, None))(ROWS, X), reference(los_row, ROWS, X))
+    assert_tree_allclose(jax.vmap(A.T.row_fn, (0, None))(ROWS, X), reference(los_row, ROWS, X))
     assert A.T.rows is A.rows
 
 

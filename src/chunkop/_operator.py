@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -59,32 +60,11 @@ def _check_rows(rows: Any) -> int:
     return first[1]
 
 
-def _check_closure(row_fn: Callable, rows: Any, in_structure: Any) -> None:
-    """Refuse a ``row_fn`` that closes over traced values (``UnexpectedTracerError``).
-
-    The kernels are compiled once per ``row_fn`` and their derivative rules only see ``rows``
-    and ``x``: a closed-over tracer (of ``jit``, ``vmap``, ``grad``...) would leak into them, or
-    its derivative would be silently lost. Such values must be passed through ``rows``.
-    """
-    row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows)
-    try:
-        consts = jax.make_jaxpr(row_fn)(row0, in_structure).consts
-    except Exception:  # noqa: BLE001  (a row_fn that fails here fails again, with its own error, when used)
-        return
-    if any(isinstance(c, jax.core.Tracer) for c in consts):
-        raise jax.errors.UnexpectedTracerError(
-            "RowOperator: `row_fn` closes over a traced value (a tracer of jax.jit/vmap/grad/...); "
-            "its derivative would be lost and it would leak into the compiled kernels. Pass such "
-            "values through `rows` (e.g. broadcast to a leading axis of n_rows) instead of "
-            "closing over them."
-        )
-
-
 class AbstractRowOperator(lx.AbstractLinearOperator):
     """Shared parts of :class:`RowOperator` and its transpose (not for direct use).
 
-    Subclasses provide ``rows`` (per-row data), ``spec`` (static: ``row_fn``, chunk size,
-    ``x``'s structure) and ``tags``.
+    Subclasses provide ``rows`` (per-row data), ``consts`` (the arrays ``row_fn`` closes over),
+    ``spec`` (static: ``row_fn``'s jaxpr, chunk size, ``x``'s structure) and ``tags``.
     """
 
     @property
@@ -94,8 +74,12 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
 
     @property
     def row_fn(self) -> Callable:
-        """The per-row function ``row_fn(row, x)`` (linear in ``x``)."""
-        return self.spec.row_fn
+        """The per-row function ``row_fn(row, x)`` (linear in ``x``).
+
+        It evaluates the ``row_fn`` traced when the operator was built, with this operator's
+        ``consts`` (the arrays it closed over then).
+        """
+        return functools.partial(self.spec.row_fn, self.consts)
 
     @property
     def chunk_size(self) -> int:
@@ -107,7 +91,7 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
 
     def _y_structure(self) -> Any:
         row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.rows)
-        per_row = jax.eval_shape(self.spec.row_fn, row0, self._x_structure())
+        per_row = jax.eval_shape(self.row_fn, row0, self._x_structure())
         return jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct((self.n_rows,) + tuple(s.shape), s.dtype), per_row
         )
@@ -162,6 +146,7 @@ class RowOperator(AbstractRowOperator):
     """
 
     rows: Any
+    consts: tuple
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
 
@@ -178,7 +163,9 @@ class RowOperator(AbstractRowOperator):
 
         Args:
             row_fn: ``row_fn(row, x) -> y_row``, linear in ``x``; ``row`` is one slice of
-                ``rows``. It must not close over traced values: pass them through ``rows``.
+                ``rows``. It is traced once, here: the arrays it closes over (concrete or
+                traced, e.g. a parameter under ``jax.grad``) become the operator's ``consts``,
+                used by ``mv``, ``T.mv`` and all derivatives, and differentiable.
                 (A non-linear ``row_fn`` would act as its linear part at ``x = 0``: check new
                 operators with :func:`chunkop.check_linear`.)
             rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
@@ -191,9 +178,10 @@ class RowOperator(AbstractRowOperator):
         chunk_size = check_chunk_size(chunk_size, allow_none=False, where="RowOperator")
         _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
-        _check_closure(row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)))
+        self.spec, self.consts = _rows.make_spec(
+            row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size
+        )
         self.rows = rows
-        self.spec = _rows.Spec(row_fn, chunk_size, in_leaves, in_tree)
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 
     def mv(self, vector: Any) -> Any:
@@ -206,7 +194,7 @@ class RowOperator(AbstractRowOperator):
             A pytree matching ``out_structure()``.
         """
         self._check_vector(vector, self._x_structure(), "RowOperator.mv")
-        return _rows.apply(self.spec, self.rows, vector)
+        return _rows.apply(self.spec, self.consts, self.rows, vector)
 
     def transpose(self) -> TransposedRowOperator:
         """The transpose ``A^T`` (its own chunked kernel); ``A.T.T`` is ``A``.
@@ -251,8 +239,13 @@ class TransposedRowOperator(AbstractRowOperator):
         return self.operator.rows
 
     @property
+    def consts(self) -> tuple:
+        """The arrays ``row_fn`` closes over, shared with the original operator."""
+        return self.operator.consts
+
+    @property
     def spec(self) -> _rows.Spec:
-        """The static description (``row_fn``, chunk size, ``x``'s structure) of the original."""
+        """The static description (``row_fn``'s jaxpr, chunk size, ``x``'s structure) of the original."""
         return self.operator.spec
 
     @property
@@ -270,7 +263,7 @@ class TransposedRowOperator(AbstractRowOperator):
             A pytree matching ``out_structure()`` (the original operator's input).
         """
         self._check_vector(vector, self._y_structure(), "RowOperator.T.mv")
-        return _rows.apply_transpose(self.spec, self.rows, vector)
+        return _rows.apply_transpose(self.spec, self.consts, self.rows, vector)
 
     def transpose(self) -> RowOperator:
         """The original operator.
