@@ -1,8 +1,9 @@
 """lineax registrations for :class:`chunkop.RowOperator` and its transpose.
 
 Tag queries answer from the operator's (unchecked) tags, as lineax does for its own implicit
-operators; ``materialise``, ``diagonal`` and ``tridiagonal`` go through the chunked dense
-materialisation, so they are meant for small operators.
+operators; ``materialise`` and ``tridiagonal`` go through the chunked dense materialisation, so
+they are meant for small operators; ``diagonal`` evaluates each diagonal entry on its basis
+vector, a few rows at a time, without the ``n^2`` matrix.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
 from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
+from ._vmap import vmap
 
 __all__: list[str] = []
 
@@ -51,10 +54,49 @@ def _check_square(operator, name: str) -> None:
         )
 
 
+def _row_diagonal(operator: RowOperator) -> jax.Array:
+    """The diagonal of a square RowOperator, without its ``n^2`` matrix.
+
+    Output element ``i`` (in ``ravel_pytree`` order) belongs to row ``r`` (element ``k`` of
+    output leaf ``L``); the diagonal entry is that element of ``row_fn(row_r, e_i)``, with ``e_i``
+    the ``i``-th basis vector of the input space. Each row evaluates its ``m`` elements on their
+    ``m`` basis vectors, a few rows at a time: ``O(n_rows * m * in_size)`` time, and at most
+    about ``2**22`` input-sized entries of memory at once (instead of ``out_size * in_size``).
+    """
+    x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
+    flat_x, unravel = ravel_pytree(x0)
+    per_row = [int(np.prod(s.shape[1:])) for s in jax.tree_util.tree_leaves(operator.out_structure())]
+    n, m = operator.n_rows, sum(per_row)
+    # element j of a row's flat output: leaf L(j), position k(j) in it; global index offset_L + r size_L + k
+    leaf_offset = np.cumsum([0] + [n * size for size in per_row])[:-1]
+    offset = np.concatenate([np.full(size, leaf_offset[i]) for i, size in enumerate(per_row)]).astype(np.int64)
+    stride = np.concatenate([np.full(size, size) for size in per_row]).astype(np.int64)
+    within = np.concatenate([np.arange(size) for size in per_row]).astype(np.int64)
+    row_fn = operator.row_fn
+
+    def diag_row(row, r):
+        positions = jnp.asarray(offset) + r * jnp.asarray(stride) + jnp.asarray(within)
+
+        def element(j, pos):
+            basis = jnp.zeros(flat_x.shape, flat_x.dtype).at[pos].set(1)
+            return ravel_pytree(row_fn(row, unravel(basis)))[0][j]
+
+        return jax.vmap(element)(jnp.arange(m), positions)
+
+    chunk = max(1, min(operator.chunk_size, 2**22 // max(m * flat_x.size, 1)))
+    blocks = vmap(diag_row, chunk_size=chunk)(operator.rows, jnp.arange(n))  # (n, m)
+    parts, start = [], 0
+    for size in per_row:
+        parts.append(blocks[:, start : start + size].reshape(n * size))
+        start += size
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 @lx.diagonal.register(AbstractRowOperator)
 def _(operator):
     _check_square(operator, "diagonal")
-    return jnp.diagonal(operator.as_matrix())
+    base = operator.transpose() if isinstance(operator, TransposedRowOperator) else operator
+    return _row_diagonal(base)  # (a transpose has the same diagonal)
 
 
 @lx.tridiagonal.register(AbstractRowOperator)

@@ -315,9 +315,9 @@ def _dense(op: AbstractRowOperator) -> jax.Array:
         offset = 0
         for leaf in per_row:
             size = int(np.prod(leaf.shape))
-            mats.append(blocks[:, offset : offset + size, :].reshape(-1, flat_x.size))
+            mats.append(blocks[:, offset : offset + size, :].reshape(base.n_rows * size, flat_x.size))
             offset += size
         matrix = jnp.concatenate(mats, axis=0)
     else:
-        matrix = blocks.reshape(-1, flat_x.size)
+        matrix = blocks.reshape(base.n_rows * blocks.shape[1], flat_x.size)
     return matrix if op is base else matrix.T
