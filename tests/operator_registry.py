@@ -22,7 +22,14 @@ import chunkop
 
 NPIX, K, N = 7, 4, 10
 CHUNK = 4  # two full chunks and a remainder of 2
-BOUNDS = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
+
+
+def edges(k: int = K) -> jax.Array:
+    """The ``k + 1`` distance-bin edges ``geomspace(40, 1700)``."""
+    return jnp.geomspace(40.0, 1700.0, k + 1).astype(jnp.float32)
+
+
+BOUNDS = edges(K)
 
 
 def los_weights(r: dict, bounds: jax.Array = BOUNDS) -> jax.Array:
@@ -32,8 +39,9 @@ def los_weights(r: dict, bounds: jax.Array = BOUNDS) -> jax.Array:
 
 
 def los_row(r: dict, x: jax.Array) -> jax.Array:
-    """The canonical row: the weighted ``K`` distance bins of pixel ``idx``."""
-    return jnp.dot(los_weights(r), x[r["idx"]])
+    """The canonical row: the weighted distance bins (``x.shape[-1]`` of them) of pixel ``idx``."""
+    bounds = BOUNDS if x.shape[-1] == K else edges(x.shape[-1])
+    return jnp.dot(los_weights(r, bounds), x[r["idx"]])
 
 
 def make_los_rows(n: int = N, npix: int = NPIX, seed: int = 0, dtype: Any = np.float32) -> dict:

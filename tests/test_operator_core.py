@@ -14,23 +14,15 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose, make_los_rows
+from conftest import assert_tree_allclose
+from operator_registry import BOUNDS, los_row, los_weights, make_los_rows
 from jax.flatten_util import ravel_pytree
 
 import chunkop
 
 NPIX, K, N = 7, 4, 10
 CHUNKS = [3, 5, 10, 16]  # remainder of 1; divides; == n_rows; > n_rows
-BOUNDS = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
 X_STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
-
-
-def los_weights(r):
-    return -jnp.diff(jnp.exp(-(r["d"] - BOUNDS) / (r["d"] * r["s"] * BOUNDS)))
-
-
-def los_row(r, x):
-    return jnp.dot(los_weights(r), x[r["idx"]])
 
 
 def make_rows(n=N, seed=0):

@@ -13,16 +13,10 @@ import numpy as np
 import pytest
 
 import chunkop
-from conftest import make_los_rows
+from operator_registry import los_row, make_los_rows
 
 NPIX, K, N = 7, 4, 10
 STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
-
-
-def los_row(r, x):
-    bounds = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
-    w = -jnp.diff(jnp.exp(-(r["d"] - bounds) / (r["d"] * r["s"] * bounds)))
-    return jnp.dot(w, x[r["idx"]])
 
 
 def make_rows(n=N, seed=0):
