@@ -4,7 +4,7 @@ from . import _lineax  # noqa: F401  (registers RowOperator with lineax)
 from ._checks import check_linear
 from ._gram import gram_diagonal
 from ._jacobian import jacfwd, jacrev
-from ._operator import RowOperator, TransposedRowOperator
+from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
 from ._reduce import mean, sum
 from ._scipy import to_scipy
 from ._vmap import map, vmap
@@ -18,6 +18,7 @@ __all__ = [
     "mean",
     "jacrev",
     "jacfwd",
+    "AbstractRowOperator",
     "RowOperator",
     "TransposedRowOperator",
     "check_linear",

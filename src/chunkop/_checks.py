@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._operator import AbstractRowOperator, TransposedRowOperator
+from ._operator import AbstractRowOperator, TransposedRowOperator, row_form
 from ._vmap import vmap as chunked_vmap
 
 __all__ = ["check_linear", "default_rtol"]
@@ -78,7 +78,7 @@ def _norm(a: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.abs(_wide(x)) ** 2) for x in jax.tree_util.tree_leaves(a)))
 
 
-def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None, rtol: float | None = None) -> dict:
+def check_linear(operator: AbstractRowOperator | TransposedRowOperator, *, key: jax.Array | None = None, rtol: float | None = None) -> dict:
     """Check numerically that ``operator`` is linear and that ``operator.T`` is its transpose.
 
     Four tests on random vectors ``x1, x2`` (in the input space) and ``y`` (output space), where
@@ -87,7 +87,8 @@ def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None,
     no conjugation: ``A^T`` is the transpose). For ``A.T`` the tests are those of ``A``.
 
     Args:
-        operator: a :class:`chunkop.RowOperator` (or its transpose).
+        operator: a :class:`chunkop.RowOperator` (or any :class:`chunkop.AbstractRowOperator`),
+            or its transpose.
         key: PRNG key for the random vectors (default ``jax.random.key(0)``).
         rtol: relative tolerance (default :func:`default_rtol` of the operator's dtype:
             ``min(1000 eps, sqrt(eps))``, i.e. 1.2e-4 in float32 and 0.088 in bfloat16).
@@ -113,14 +114,8 @@ def check_linear(operator: AbstractRowOperator, *, key: jax.Array | None = None,
         ...
         ValueError: check_linear: the operator is not linear in x: A(0) = ...
     """
-    if not isinstance(operator, AbstractRowOperator):
-        raise TypeError(
-            "check_linear: `operator` must be a chunkop.RowOperator (or its transpose), got "
-            f"{type(operator).__name__}."
-        )
+    operator, _ = row_form(operator, "check_linear")  # A^T passes exactly when A does
     key = jax.random.key(0) if key is None else key
-    if isinstance(operator, TransposedRowOperator):
-        operator = operator.operator
     in_struct, out_struct = operator.in_structure(), operator.out_structure()
     dtype = jnp.result_type(*jax.tree_util.tree_leaves(in_struct))
     rtol = default_rtol(dtype) if rtol is None else rtol

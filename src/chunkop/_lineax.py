@@ -14,18 +14,20 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
+from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator, row_form
 from ._vmap import vmap
 
 __all__: list[str] = []
 
 
 @lx.linearise.register(AbstractRowOperator)
+@lx.linearise.register(TransposedRowOperator)
 def _(operator):
     return operator  # already linear, nothing to cache
 
 
 @lx.materialise.register(AbstractRowOperator)
+@lx.materialise.register(TransposedRowOperator)
 def _(operator):
     matrix = operator.as_matrix()
     in_struct, out_struct = operator.in_structure(), operator.out_structure()
@@ -54,7 +56,7 @@ def _check_square(operator, name: str) -> None:
         )
 
 
-def _row_diagonal(operator: RowOperator) -> jax.Array:
+def _row_diagonal(operator: AbstractRowOperator) -> jax.Array:
     """The diagonal of a square RowOperator, without its ``n^2`` matrix.
 
     Output element ``i`` (in ``ravel_pytree`` order) belongs to row ``r`` (element ``k`` of
@@ -93,13 +95,14 @@ def _row_diagonal(operator: RowOperator) -> jax.Array:
 
 
 @lx.diagonal.register(AbstractRowOperator)
+@lx.diagonal.register(TransposedRowOperator)
 def _(operator):
     _check_square(operator, "diagonal")
-    base = operator.transpose() if isinstance(operator, TransposedRowOperator) else operator
-    return _row_diagonal(base)  # (a transpose has the same diagonal)
+    return _row_diagonal(row_form(operator, "lineax.diagonal")[0])  # (a transpose has the same diagonal)
 
 
 @lx.tridiagonal.register(AbstractRowOperator)
+@lx.tridiagonal.register(TransposedRowOperator)
 def _(operator):
     _check_square(operator, "tridiagonal")
     matrix = operator.as_matrix()
@@ -112,6 +115,7 @@ def _has_real_dtype(operator) -> bool:
 
 
 @lx.is_symmetric.register(AbstractRowOperator)
+@lx.is_symmetric.register(TransposedRowOperator)
 def _(operator):
     tags = operator.tags
     if lx.symmetric_tag in tags or lx.diagonal_tag in tags:
@@ -122,6 +126,7 @@ def _(operator):
 
 def _tag_query(query, *tags):
     @query.register(AbstractRowOperator)
+    @query.register(TransposedRowOperator)
     def _(operator):
         return any(tag in operator.tags for tag in tags)
 
@@ -135,7 +140,7 @@ _tag_query(lx.is_positive_semidefinite, lx.positive_semidefinite_tag)
 _tag_query(lx.is_negative_semidefinite, lx.negative_semidefinite_tag)
 
 
-@lx.conj.register(RowOperator)
+@lx.conj.register(AbstractRowOperator)
 def _(operator):
     if _has_real_dtype(operator):
         return operator
