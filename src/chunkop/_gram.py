@@ -61,7 +61,7 @@ def gram_diagonal(
     """
     operator, transposed = row_form(operator, "gram_diagonal")
     if transposed:
-        raise TypeError("gram_diagonal: expected a row operator, got the transpose of one (A.T).")
+        raise TypeError("gram_diagonal: expected a RowOperator (an AbstractRowOperator), got the transpose of one (A.T).")
     if squared_row_fn is not None:
         squared = RowOperator(
             squared_row_fn, operator.rows, operator.in_structure(), chunk_size=operator.chunk_size

@@ -84,6 +84,27 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
     ``out_structure``, ``as_matrix``, :func:`chunkop.check_linear`,
     :func:`chunkop.gram_diagonal`, :func:`chunkop.to_scipy` and the lineax registrations.
     :class:`RowOperator` is the chunked implementation.
+
+    Example:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, chunkop
+        >>> class DenseRows(chunkop.AbstractRowOperator):  # y_i = w_i . x, dense kernels
+        ...     rows: jax.Array
+        ...     tags: frozenset = eqx.field(static=True, default=frozenset())
+        ...     row_fn = property(lambda self: lambda row, x: jnp.dot(row, x))
+        ...     chunk_size = property(lambda self: 16)
+        ...     def in_structure(self):
+        ...         return jax.ShapeDtypeStruct(self.rows.shape[1:], self.rows.dtype)
+        ...     def apply(self, x):
+        ...         return self.rows @ x
+        ...     def apply_transpose(self, y):
+        ...         return self.rows.T @ y
+        >>> D = DenseRows(jnp.array([[1.0, 2.0], [3.0, 4.0], [0.0, 1.0]]))
+        >>> D.T.mv(jnp.ones(3))
+        Array([4., 7.], dtype=float32)
+        >>> chunkop.gram_diagonal(D)
+        Array([10., 21.], dtype=float32)
+        >>> sorted(chunkop.check_linear(D))
+        ['adjoint', 'matvec', 'superposition', 'zero']
     """
 
     rows: eqx.AbstractVar[Any]
