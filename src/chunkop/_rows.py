@@ -12,7 +12,7 @@ weights computed from the row data are recomputed, never stored for all rows):
 
 - :func:`forward` ``(consts, rows, x)``: the matvec. Per chunk, the vmapped ``row_fn`` is
   linearised at ``x = 0`` (exact: it is linear) into ``fn(x, *weights)``, where ``weights``
-  (gather indices, weights) are computed once per chunk (see :func:`_linear_parts`);
+  (gather indices, weights) are computed once per chunk, behind :func:`fusion_barrier`;
 - :func:`backward` ``(consts, rows, y)``: the transpose, ``jax.linear_transpose`` of the same
   ``fn`` applied to the chunk of ``y`` and summed into the ``x`` space;
 - :func:`forward_dparams` / :func:`backward_dparams`: their derivatives w.r.t. the float
@@ -170,43 +170,42 @@ def _zeros(structure: Any) -> Any:
 
 
 def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, chunk_size: int, sum_like: Any = None) -> Any:
-    """Run ``per_chunk(chunk, unmapped, token)`` over chunks of the leading axis of ``mapped``.
+    """Run ``per_chunk(chunk, unmapped)`` over chunks of the leading axis of ``mapped``.
 
     Stacks the per-chunk outputs (leading axis ``n_rows``), or, with ``sum_like`` (a pytree of
     ``ShapeDtypeStruct``), sums them in at least float32 and returns ``sum_like``'s dtypes.
     Full chunks run in a ``lax.scan`` with a ``jax.checkpoint``-ed body; the last ``n % chunk``
-    rows are one more call. When ``chunk`` does not divide ``n``, each full chunk is read
-    inside the checkpointed body with an in-bounds ``dynamic_slice`` (no copy of ``mapped``).
-    ``token`` is a traced bool (from the chunk index) whose value never matters (see
-    :func:`_linear_parts`). ``unmapped`` enters widened and is narrowed back per chunk.
+    rows are one more call. When ``chunk`` divides ``n`` the chunks are a free reshape;
+    otherwise each full chunk is read inside the checkpointed body with an in-bounds
+    ``dynamic_slice`` (no copy of the first ``n - n % chunk`` rows). ``unmapped`` enters
+    widened and is narrowed back per chunk (see the module docstring).
     """
     n = _tu.tree_leaves(mapped)[0].shape[0]
     chunk = max(1, min(chunk_size, n))
     n_full, rem = divmod(n, chunk)
     wide = _widen(unmapped)
 
-    def run_chunk(i: jax.Array, chunk_data: Any, wide_unmapped: Any) -> Any:
-        out = per_chunk(chunk_data, _narrow(wide_unmapped, unmapped), i % 2 == 0)
+    def run_chunk(chunk_data: Any, wide_unmapped: Any) -> Any:
+        out = per_chunk(chunk_data, _narrow(wide_unmapped, unmapped))
         return out if sum_like is None else _widen(out)
 
-    index = jnp.arange(n_full, dtype=jnp.int32)
     if rem == 0:  # chunks by reshaping (free)
         step = jax.checkpoint(run_chunk, prevent_cse=False)
-        xs = (index, _tu.tree_map(lambda a: a.reshape((n_full, chunk) + a.shape[1:]), mapped))
-        item = lambda x: step(x[0], x[1], wide)  # noqa: E731
-    else:  # chunks read by index inside the checkpointed body (no copy of the first n - rem rows)
+        xs = _tu.tree_map(lambda a: a.reshape((n_full, chunk) + a.shape[1:]), mapped)
+        item = lambda c: step(c, wide)  # noqa: E731
+    else:  # chunks read by index inside the checkpointed body
 
         def read_and_run(i: jax.Array, wide_unmapped: Any) -> Any:
             data = _tu.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk), mapped)
-            return run_chunk(i, data, wide_unmapped)
+            return run_chunk(data, wide_unmapped)
 
         step = jax.checkpoint(read_and_run, prevent_cse=False)
-        xs = index
+        xs = jnp.arange(n_full, dtype=jnp.int32)
         item = lambda i: step(i, wide)  # noqa: E731
 
     def tail() -> Any:
         data = _tu.tree_map(lambda a: a[n_full * chunk :], mapped)
-        return jax.checkpoint(run_chunk, prevent_cse=False)(jnp.int32(n_full), data, wide)
+        return jax.checkpoint(run_chunk, prevent_cse=False)(data, wide)
 
     if sum_like is None:
         _, ys = jax.lax.scan(lambda c, x: (c, item(x)), None, xs, length=n_full)
@@ -224,34 +223,44 @@ def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, chunk_size: int
 # -- the kernels ----------------------------------------------------------------------------------
 
 
-def _linear_parts(spec: Spec, consts: Any, rows_c: Any, token: jax.Array) -> tuple[Callable, list]:
+def fusion_barrier(weights: list) -> list:
+    """Keep XLA from fusing the computation of ``weights`` into their consumers (CPU only).
+
+    Fused into a scatter's update loop (the transpose of a gather), the weights would be
+    recomputed serially per element, which measured about 5x slower on CPU than computing them
+    once per chunk, vectorised; fused into the matvec's reduction they also measured slower.
+    ``lax.optimization_barrier`` prevents the fusion at no other cost: on CPU (jax 0.10.2, LOS
+    benchmark, interleaved) ``A.mv``, ``A.T.mv`` and the gradient measured 0.70x, 0.76x and
+    0.83x the time of the previous barrier, a ``lax.cond`` with two identical branches. Other
+    backends get no barrier until measured there.
+    """
+    if jax.default_backend() != "cpu":
+        return weights
+    return list(jax.lax.optimization_barrier(list(weights)))
+
+
+def _linear_parts(spec: Spec, consts: Any, rows_c: Any) -> tuple[Callable, list]:
     """One chunk's linear map ``x -> vmap(row_fn)(rows_c, x)`` as ``(fn, weights)``: ``fn(x, *weights)``.
 
     ``weights`` are what the map needs besides ``x`` (gather indices, the weights computed from
-    the row data). They are computed inside a ``lax.cond`` whose two branches are identical (so
-    the result never depends on ``token``): the conditional keeps XLA from fusing the weight
-    computation into the consumer of the weights. Fused into a scatter's update loop (the
-    transpose of a gather), the weights would be recomputed serially per element, which
-    measured about 5x slower on CPU than computing them once per chunk, vectorised.
+    the row data), computed once per chunk behind :func:`fusion_barrier`.
     """
     x0 = _zeros(spec.in_structure())
-
-    def parts(r: Any) -> tuple[Callable, list]:
-        _, f_jvp = jax.linearize(lambda v: spec.vrow_fn(consts, r, v), x0)
-        return jax.closure_convert(f_jvp, x0)
-
-    fn, _ = parts(rows_c)
-    weights = jax.lax.cond(token, lambda r: parts(r)[1], lambda r: parts(r)[1], rows_c)
-    return fn, weights
+    _, f_jvp = jax.linearize(lambda v: spec.vrow_fn(consts, rows_c, v), x0)
+    fn, weights = jax.closure_convert(f_jvp, x0)
+    return fn, fusion_barrier(weights)
 
 
-def _transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any, token: jax.Array | None = None) -> Any:
-    """``A_c^T y_c`` for one chunk of rows: the transpose of the vmapped ``row_fn``."""
-    if token is None:  # differentiated w.r.t. the parameters: plain linear_transpose (no cond)
-        f = lambda v: spec.vrow_fn(consts, rows_c, v)  # noqa: E731
-    else:
-        fn, weights = _linear_parts(spec, consts, rows_c, token)
+def _transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any, split: bool = True) -> Any:
+    """``A_c^T y_c`` for one chunk of rows: the transpose of the vmapped ``row_fn``.
+
+    ``split=False`` (when differentiated w.r.t. the parameters) transposes ``row_fn`` directly.
+    """
+    if split:
+        fn, weights = _linear_parts(spec, consts, rows_c)
         f = lambda v: fn(v, *weights)  # noqa: E731
+    else:
+        f = lambda v: spec.vrow_fn(consts, rows_c, v)  # noqa: E731
     (ct,) = jax.linear_transpose(f, spec.in_structure())(y_c)
     return ct
 
@@ -269,9 +278,9 @@ def _tangent(primal: Any, tangent: Any) -> Any:
 def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
     """``y_i = row_fn(row_i, x)``, stacked over rows."""
 
-    def per_chunk(rows_c: Any, unmapped: Any, token: jax.Array) -> Any:
+    def per_chunk(rows_c: Any, unmapped: Any) -> Any:
         consts, x = unmapped
-        fn, weights = _linear_parts(spec, consts, rows_c, token)
+        fn, weights = _linear_parts(spec, consts, rows_c)
         return fn(x, *weights)
 
     return _chunk_loop(per_chunk, rows, (consts, x), spec.chunk_size)
@@ -280,9 +289,9 @@ def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
 def backward(spec: Spec, consts: Any, rows: Any, y: Any) -> Any:
     """``A^T y``: the transposed ``row_fn`` summed over rows, chunk by chunk (wide accumulator)."""
 
-    def per_chunk(chunk: Any, consts: Any, token: jax.Array) -> Any:
+    def per_chunk(chunk: Any, consts: Any) -> Any:
         rows_c, y_c = chunk
-        return _transpose_chunk(spec, consts, rows_c, y_c, token)
+        return _transpose_chunk(spec, consts, rows_c, y_c)
 
     return _chunk_loop(per_chunk, (rows, y), consts, spec.chunk_size, sum_like=spec.in_structure())
 
@@ -293,7 +302,7 @@ def forward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any
     ``dconsts``/``drows`` hold tangents for the float leaves and ``None`` for the others.
     """
 
-    def per_chunk(chunk: Any, unmapped: Any, token: jax.Array) -> Any:
+    def per_chunk(chunk: Any, unmapped: Any) -> Any:
         rows_c, drows_c = chunk
         consts, dconsts, x = unmapped
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
@@ -305,11 +314,11 @@ def forward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any
 def backward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any, y: Any) -> Any:
     """``d/d(consts, rows) [A^T y] . (dconsts, drows)``, summed in the ``x`` space."""
 
-    def per_chunk(chunk: Any, unmapped: Any, token: jax.Array) -> Any:
+    def per_chunk(chunk: Any, unmapped: Any) -> Any:
         rows_c, drows_c, y_c = chunk
         consts, dconsts = unmapped
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
-        return jax.jvp(lambda c, r: _transpose_chunk(spec, c, r, y_c), (consts, rows_c), tangents)[1]
+        return jax.jvp(lambda c, r: _transpose_chunk(spec, c, r, y_c, split=False), (consts, rows_c), tangents)[1]
 
     return _chunk_loop(per_chunk, (rows, drows, y), (consts, dconsts), spec.chunk_size, sum_like=spec.in_structure())
 
