@@ -14,23 +14,15 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose, make_los_rows
+from conftest import assert_tree_allclose
+from operator_registry import BOUNDS, los_row, los_weights, make_los_rows
 from jax.flatten_util import ravel_pytree
 
 import chunkop
 
 NPIX, K, N = 7, 4, 10
 CHUNKS = [3, 5, 10, 16]  # remainder of 1; divides; == n_rows; > n_rows
-BOUNDS = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
 X_STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
-
-
-def los_weights(r):
-    return -jnp.diff(jnp.exp(-(r["d"] - BOUNDS) / (r["d"] * r["s"] * BOUNDS)))
-
-
-def los_row(r, x):
-    return jnp.dot(los_weights(r), x[r["idx"]])
 
 
 def make_rows(n=N, seed=0):
@@ -115,7 +107,8 @@ def test_structures_and_properties():
     assert (A.T.in_size(), A.T.out_size()) == (N, NPIX * K)
     assert A.n_rows == N and A.T.n_rows == N
     assert A.chunk_size == 3 and A.T.chunk_size == 3
-    assert A.row_fn is los_row and A.T.row_fn is los_row
+    assert_tree_allclose(jax.vmap(A.row_fn, (0, None))(ROWS, X), reference(los_row, ROWS, X))
+    assert_tree_allclose(jax.vmap(A.T.row_fn, (0, None))(ROWS, X), reference(los_row, ROWS, X))
     assert A.T.rows is A.rows
 
 
@@ -276,3 +269,20 @@ def test_complex_weights_on_real_sky():
     M = dense(row_fn, ph, X)
     assert M.dtype == jnp.complex64
     assert_tree_allclose(A.as_matrix(), M)
+
+
+def test_fusion_barrier_only_on_cpu(monkeypatch):
+    """The CPU-only trick (``_rows.fusion_barrier``) is one helper: present in the kernels on
+    CPU, absent where it was not measured, and it never changes a value."""
+    from conftest import primitive_names
+
+    from chunkop import _rows
+
+    A = los_op(3)
+    on_cpu = jax.default_backend() == "cpu"
+    assert ("optimization_barrier" in primitive_names(jax.make_jaxpr(A.mv)(X))) == on_cpu
+    assert ("optimization_barrier" in primitive_names(jax.make_jaxpr(A.T.mv)(Y))) == on_cpu
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    B = los_op(3, rows=make_rows(seed=7))  # a fresh trace
+    assert "optimization_barrier" not in primitive_names(jax.make_jaxpr(lambda x: _rows.forward(B.spec, B.consts, B.rows, x))(X))
+    assert_tree_allclose(_rows.forward(B.spec, B.consts, B.rows, X), reference(los_row, B.rows, X))

@@ -17,16 +17,12 @@ import numpy as np
 import pytest
 from conftest import assert_tree_allclose
 
+from operator_registry import los_row, make_los_rows
+
 import chunkop
 
 NPIX, K, N = 5, 3, 10
 CHUNK = 4  # two full chunks and a remainder of 2
-
-
-def los_row(r, x):
-    bounds = jnp.geomspace(40.0, 1700.0, K + 1).astype(r["d"].dtype)
-    w = -jnp.diff(jnp.exp(-(r["d"] - bounds) / (r["d"] * r["s"] * bounds)))
-    return jnp.dot(w, x[r["idx"]])
 
 
 def _rand(*shape, seed=0, dtype=np.float32):
@@ -34,12 +30,7 @@ def _rand(*shape, seed=0, dtype=np.float32):
 
 
 def make_rows(n=N, seed=0, dtype=np.float32):
-    rng = np.random.default_rng(seed)
-    return {
-        "idx": jnp.asarray(rng.integers(0, NPIX, n), dtype=jnp.int32),
-        "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=dtype),
-        "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=dtype),
-    }
+    return make_los_rows(n, NPIX, seed, dtype)
 
 
 ROWS = make_rows()

@@ -15,7 +15,9 @@ import lineax as lx
 import numpy as np
 import pytest
 import scipy.sparse.linalg as spla
-from conftest import assert_tree_allclose, make_los_rows
+from conftest import assert_tree_allclose
+from operator_registry import edges, make_los_rows
+from operator_registry import los_weights as registry_los_weights
 from jax.flatten_util import ravel_pytree
 
 import chunkop
@@ -26,8 +28,7 @@ STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
 
 
 def los_weights(r):
-    bounds = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
-    return -jnp.diff(jnp.exp(-(r["d"] - bounds) / (r["d"] * r["s"] * bounds)))
+    return registry_los_weights(r, edges(K))
 
 
 def los_row(r, x):

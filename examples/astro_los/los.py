@@ -30,9 +30,9 @@ about a minute) and ``seed`` (the users' size: 786432 x 516 sky, 132400 lines).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,10 +88,14 @@ def los_weights_naive(d: jax.Array, s: jax.Array, edges: np.ndarray) -> jax.Arra
     return -jnp.diff(jnp.exp(-(d - b) / (d * s * b)), axis=-1)
 
 
-@functools.lru_cache(maxsize=None)
-def _row_fns(edges: tuple):
-    """``(row_fn, squared_row_fn)`` for these edges; cached, so operators with equal edges share
-    one ``row_fn`` and jitted functions taking them as arguments do not retrace."""
+def _row_fns(edges: np.ndarray):
+    """``(row_fn, squared_row_fn)`` for these edges.
+
+    No cache is needed: ``RowOperator`` traces ``row_fn`` when it is built, and the arrays it
+    derives from ``edges`` become the operator's ``consts``; operators with the same number of
+    bins trace to the same jaxpr and share compiled kernels (and jitted functions taking them as
+    arguments do not retrace).
+    """
     edges = np.asarray(edges, np.float64)
 
     def row_fn(row: dict, sky: jax.Array) -> jax.Array:
@@ -124,15 +128,16 @@ def make_los_operator(
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
 
-    Operators built with equal ``edges`` share one ``row_fn`` (so jitted functions taking them
-    as arguments compile once). ``gram_diagonal(A, edges)`` gives the Jacobi preconditioner.
+    Operators with the same number of bins share compiled kernels (the edges are array leaves of
+    the operator, so jitted functions taking them as arguments compile once).
+    ``gram_diagonal(A, edges)`` gives the Jacobi preconditioner.
     """
     if edges is None:
         edges = bin_edges(516 if n_bins is None else n_bins, bounds)
     edges = np.asarray(edges, np.float64)
     if n_bins is not None and n_bins != edges.size - 1:
         raise ValueError(f"n_bins={n_bins} does not match {edges.size} edges")
-    row_fn, _ = _row_fns(tuple(edges.tolist()))
+    row_fn, _ = _row_fns(edges)
     rows = {"pix": jnp.asarray(idx, jnp.int32), "d": jnp.asarray(d, dtype), "s": jnp.asarray(s, dtype)}
     return chunkop.RowOperator(
         row_fn, rows, jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype), chunk_size=chunk_size
@@ -141,15 +146,14 @@ def make_los_operator(
 
 def gram_diagonal(A: chunkop.RowOperator, edges: np.ndarray) -> jax.Array:
     """``diag(A^T A)`` of a LOS operator: one chunked transposed matvec of the squared weights."""
-    _, squared_row_fn = _row_fns(tuple(np.asarray(edges, np.float64).tolist()))
+    _, squared_row_fn = _row_fns(edges)
     return chunkop.gram_diagonal(A, squared_row_fn=squared_row_fn)
 
 
 def with_rows(A: chunkop.RowOperator, **rows: Any) -> chunkop.RowOperator:
-    """``A`` with some row leaves replaced (e.g. ``s=alpha * s``), keeping its ``row_fn`` (no retrace)."""
-    new = dict(A.rows)
-    new.update(rows)
-    return chunkop.RowOperator(A.row_fn, new, A.in_structure(), chunk_size=A.chunk_size)
+    """``A`` with some row leaves replaced (e.g. ``s=alpha * s``): the same operator pytree with
+    new ``rows`` leaves (no new trace of ``row_fn``; differentiable in the new leaves)."""
+    return eqx.tree_at(lambda op: op.rows, A, {**A.rows, **rows})
 
 
 def los_vmap(idx: jax.Array, d: jax.Array, s: jax.Array, sky: jax.Array, edges: np.ndarray) -> jax.Array:

@@ -6,7 +6,7 @@ from ._cache import clear_caches
 from ._checks import check_linear
 from ._gram import gram_diagonal
 from ._jacobian import jacfwd, jacrev
-from ._operator import RowOperator, TransposedRowOperator
+from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
 from ._reduce import mean, sum
 from ._scipy import to_scipy
 from ._vmap import map, vmap
@@ -20,6 +20,7 @@ __all__ = [
     "mean",
     "jacrev",
     "jacfwd",
+    "AbstractRowOperator",
     "RowOperator",
     "TransposedRowOperator",
     "check_linear",

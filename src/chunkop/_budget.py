@@ -571,12 +571,12 @@ def call_auto(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: An
 # chunk_size="auto" on RowOperator, and chunkop.plan.
 
 
-def plan_rows(row_fn: Callable, rows: Any, in_leaves: tuple, in_tree: Any, memory_budget: int | None) -> BudgetPlan:
+def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int | None) -> BudgetPlan:
     """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
 
-    Plans for the worst of ``mv`` and ``T.mv`` and their VJPs (w.r.t. ``x``/``y`` and the float
-    leaves of ``rows``), compiled at each candidate chunk. With rows sharded over devices, the
-    chunk is planned for one device's shard.
+    Plans for the worst of ``mv`` and ``T.mv`` and their VJPs (w.r.t. ``x``/``y``, the float
+    leaves of ``rows`` and the arrays ``row_fn`` closes over), compiled at each candidate chunk.
+    With rows sharded over devices, the chunk is planned for one device's shard.
     """
     from . import _rows, _sharding
 
@@ -588,26 +588,26 @@ def plan_rows(row_fn: Callable, rows: Any, in_leaves: tuple, in_tree: Any, memor
     if mesh_axes is not None and n % mesh_axes.n_shards == 0:
         n //= mesh_axes.n_shards
     row_structs = [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
-    x_structs = list(in_leaves)
-    n_rows_leaves = len(row_structs)
+    local_rows = jax.tree_util.tree_unflatten(row_tree, row_structs)
+    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
 
     def temp_bytes(chunk: int) -> int:
-        spec = _rows.Spec(row_fn, chunk, tuple(in_leaves), in_tree)
+        spec, consts = _rows.make_spec(row_fn, local_rows, in_structure, chunk)
+        k, r = len(consts), len(row_structs)
 
         def mv(*flat: Any) -> Any:
-            r = jax.tree_util.tree_unflatten(row_tree, flat[:n_rows_leaves])
-            return _rows.apply(spec, r, jax.tree_util.tree_unflatten(in_tree, flat[n_rows_leaves:]))
+            rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+            return _rows.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
 
-        y_struct = jax.eval_shape(mv, *row_structs, *x_structs)
-        y_leaves, y_tree = jax.tree_util.tree_flatten(y_struct)
+        y_leaves, y_tree = jax.tree_util.tree_flatten(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
 
         def tmv(*flat: Any) -> Any:
-            r = jax.tree_util.tree_unflatten(row_tree, flat[:n_rows_leaves])
-            return _rows.apply_transpose(spec, r, jax.tree_util.tree_unflatten(y_tree, flat[n_rows_leaves:]))
+            rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+            return _rows.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
 
         return max(
-            program_temp_bytes(mv, row_structs + x_structs, "grad"),
-            program_temp_bytes(tmv, row_structs + list(y_leaves), "grad"),
+            program_temp_bytes(mv, [*consts, *row_structs, *x_leaves], "grad"),
+            program_temp_bytes(tmv, [*consts, *row_structs, *y_leaves], "grad"),
         )
 
     return choose_chunk(temp_bytes, n, budget, mode="grad", cap=throughput_cap())

@@ -153,6 +153,12 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
                     parts.append(_simple_key(value))
             return ("jax", fn.__code__, tuple(parts))
         return ("user", _Ident(fn), tuple(value_key(v, depth + 1) for v in _cells(fn)))
+    if (type(fn).__module__ or "").startswith(("jax._src", "jax.")):
+        try:  # JAX's own callable objects (checkpoint policies ...) define value equality
+            hash(fn)
+            return ("jax-object", type(fn), fn)
+        except TypeError:
+            pass
     return ("object", _Ident(fn))
 
 

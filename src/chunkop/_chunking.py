@@ -23,6 +23,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._progress import Progress, progress_hook
+
 __all__ = ["ChunkPlan", "make_plan", "rematerialise", "stack_chunks", "sum_chunks"]
 
 Remat = bool | Callable[..., Any]
@@ -83,6 +85,7 @@ def stack_chunks(
     plan: ChunkPlan,
     remat: Remat,
     carried_like: Sequence[Any] = (),
+    progress: Progress = None,
 ) -> tuple[list, list | None, list]:
     """Run ``chunk_fn`` over every chunk of the mapped arrays (leading axis ``plan.size``).
 
@@ -94,12 +97,15 @@ def stack_chunks(
         plan: the chunk plan.
         remat: whether (or with which policy) to rematerialise each chunk.
         carried_like: shape/dtype structs of ``zs``.
+        progress: None/False, True (a progress bar) or ``progress(k, n)``: see ``_progress``.
 
     Returns:
         ``(ys_full, ys_rem, zs)``: ``ys_full`` leaves have shape ``(n_full, *chunk_out_shape)``;
         ``ys_rem`` is the remainder chunk's ``ys`` (None when ``n % chunk == 0``).
     """
     xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
+    hook = progress_hook(plan, progress)
+    xs, full_fn = hook.scan(xs, full_fn)
 
     def body(carry: list, item: Any) -> tuple[list, list]:
         ys, zs = full_fn(item)
@@ -109,7 +115,7 @@ def stack_chunks(
     zs, ys_full = jax.lax.scan(body, init, xs, length=plan.n_full)
     ys_rem = None
     if plan.rem:
-        ys_rem, zs = _remainder(chunk_fn, mapped, plan, remat)
+        ys_rem, zs = hook.remainder(_remainder(chunk_fn, mapped, plan, remat))
         ys_rem, zs = list(ys_rem), list(zs)
     return ys_full, ys_rem, zs
 
@@ -120,6 +126,7 @@ def sum_chunks(
     plan: ChunkPlan,
     remat: Remat,
     init: Any,
+    progress: Progress = None,
 ) -> Any:
     """Accumulate ``init + sum over chunks of chunk_fn(chunk_arrays, m)`` (a pytree of arrays).
 
@@ -127,11 +134,13 @@ def sum_chunks(
     backward pass holds per-element outputs.
     """
     xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
+    hook = progress_hook(plan, progress)
+    xs, full_fn = hook.scan(xs, full_fn)
 
     def body(acc: Any, item: Any) -> tuple[Any, None]:
         return jax.tree_util.tree_map(jnp.add, acc, full_fn(item)), None
 
     acc, _ = jax.lax.scan(body, init, xs, length=plan.n_full)
     if plan.rem:
-        acc = jax.tree_util.tree_map(jnp.add, acc, _remainder(chunk_fn, mapped, plan, remat))
+        acc = jax.tree_util.tree_map(jnp.add, acc, hook.remainder(_remainder(chunk_fn, mapped, plan, remat)))
     return acc

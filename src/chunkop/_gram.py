@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ._operator import RowOperator, linear_jacobian
+from ._operator import AbstractRowOperator, RowOperator, linear_jacobian, row_form
 from ._reduce import sum as chunked_sum
 
 __all__ = ["gram_diagonal"]
 
 
 def gram_diagonal(
-    operator: RowOperator,
+    operator: AbstractRowOperator,
     *,
     squared_row_fn: Callable[[Any, Any], Any] | None = None,
     chunk_size: int | None = None,
@@ -41,7 +41,7 @@ def gram_diagonal(
       ``O(n_rows * in_size)`` time and ``O(chunk_size * in_size)`` memory: for small operators.
 
     Args:
-        operator: a :class:`chunkop.RowOperator`.
+        operator: a :class:`chunkop.RowOperator` (or any :class:`chunkop.AbstractRowOperator`).
         squared_row_fn: optional ``row_fn`` of the element-wise squared operator (see above).
         chunk_size: rows per chunk for the generic path (default: the operator's, capped so a
             chunk holds at most ``2**22`` coefficients).
@@ -59,8 +59,9 @@ def gram_diagonal(
         >>> chunkop.gram_diagonal(A, squared_row_fn=lambda r, x: r["w"] ** 2 * x[r["i"]])
         Array([ 4., 10.], dtype=float32)
     """
-    if not isinstance(operator, RowOperator):
-        raise TypeError(f"gram_diagonal: expected a chunkop.RowOperator, got {type(operator).__name__}.")
+    operator, transposed = row_form(operator, "gram_diagonal")
+    if transposed:
+        raise TypeError("gram_diagonal: expected a RowOperator (an AbstractRowOperator), got the transpose of one (A.T).")
     if squared_row_fn is not None:
         squared = RowOperator(
             squared_row_fn, operator.rows, operator.in_structure(), chunk_size=operator.chunk_size

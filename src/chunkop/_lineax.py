@@ -1,8 +1,9 @@
 """lineax registrations for :class:`chunkop.RowOperator` and its transpose.
 
 Tag queries answer from the operator's (unchecked) tags, as lineax does for its own implicit
-operators; ``materialise``, ``diagonal`` and ``tridiagonal`` go through the chunked dense
-materialisation, so they are meant for small operators.
+operators; ``materialise`` and ``tridiagonal`` go through the chunked dense materialisation, so
+they are meant for small operators; ``diagonal`` evaluates each diagonal entry on its basis
+vector, a few rows at a time, without the ``n^2`` matrix.
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from jax.flatten_util import ravel_pytree
 
-from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
+from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator, row_form
+from ._vmap import vmap
 
 __all__: list[str] = []
 
 
 @lx.linearise.register(AbstractRowOperator)
+@lx.linearise.register(TransposedRowOperator)
 def _(operator):
     return operator  # already linear, nothing to cache
 
 
 @lx.materialise.register(AbstractRowOperator)
+@lx.materialise.register(TransposedRowOperator)
 def _(operator):
     matrix = operator.as_matrix()
     in_struct, out_struct = operator.in_structure(), operator.out_structure()
@@ -51,13 +56,53 @@ def _check_square(operator, name: str) -> None:
         )
 
 
+def _row_diagonal(operator: AbstractRowOperator) -> jax.Array:
+    """The diagonal of a square RowOperator, without its ``n^2`` matrix.
+
+    Output element ``i`` (in ``ravel_pytree`` order) belongs to row ``r`` (element ``k`` of
+    output leaf ``L``); the diagonal entry is that element of ``row_fn(row_r, e_i)``, with ``e_i``
+    the ``i``-th basis vector of the input space. Each row evaluates its ``m`` elements on their
+    ``m`` basis vectors, a few rows at a time: ``O(n_rows * m * in_size)`` time, and at most
+    about ``2**22`` input-sized entries of memory at once (instead of ``out_size * in_size``).
+    """
+    x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
+    flat_x, unravel = ravel_pytree(x0)
+    per_row = [int(np.prod(s.shape[1:])) for s in jax.tree_util.tree_leaves(operator.out_structure())]
+    n, m = operator.n_rows, sum(per_row)
+    # element j of a row's flat output: leaf L(j), position k(j) in it; global index offset_L + r size_L + k
+    leaf_offset = np.cumsum([0] + [n * size for size in per_row])[:-1]
+    offset = np.concatenate([np.full(size, leaf_offset[i]) for i, size in enumerate(per_row)]).astype(np.int64)
+    stride = np.concatenate([np.full(size, size) for size in per_row]).astype(np.int64)
+    within = np.concatenate([np.arange(size) for size in per_row]).astype(np.int64)
+    row_fn = operator.row_fn
+
+    def diag_row(row, r):
+        positions = jnp.asarray(offset) + r * jnp.asarray(stride) + jnp.asarray(within)
+
+        def element(j, pos):
+            basis = jnp.zeros(flat_x.shape, flat_x.dtype).at[pos].set(1)
+            return ravel_pytree(row_fn(row, unravel(basis)))[0][j]
+
+        return jax.vmap(element)(jnp.arange(m), positions)
+
+    chunk = max(1, min(operator.chunk_size, 2**22 // max(m * flat_x.size, 1)))
+    blocks = vmap(diag_row, chunk_size=chunk)(operator.rows, jnp.arange(n))  # (n, m)
+    parts, start = [], 0
+    for size in per_row:
+        parts.append(blocks[:, start : start + size].reshape(n * size))
+        start += size
+    return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
 @lx.diagonal.register(AbstractRowOperator)
+@lx.diagonal.register(TransposedRowOperator)
 def _(operator):
     _check_square(operator, "diagonal")
-    return jnp.diagonal(operator.as_matrix())
+    return _row_diagonal(row_form(operator, "lineax.diagonal")[0])  # (a transpose has the same diagonal)
 
 
 @lx.tridiagonal.register(AbstractRowOperator)
+@lx.tridiagonal.register(TransposedRowOperator)
 def _(operator):
     _check_square(operator, "tridiagonal")
     matrix = operator.as_matrix()
@@ -70,6 +115,7 @@ def _has_real_dtype(operator) -> bool:
 
 
 @lx.is_symmetric.register(AbstractRowOperator)
+@lx.is_symmetric.register(TransposedRowOperator)
 def _(operator):
     tags = operator.tags
     if lx.symmetric_tag in tags or lx.diagonal_tag in tags:
@@ -80,6 +126,7 @@ def _(operator):
 
 def _tag_query(query, *tags):
     @query.register(AbstractRowOperator)
+    @query.register(TransposedRowOperator)
     def _(operator):
         return any(tag in operator.tags for tag in tags)
 
@@ -93,7 +140,7 @@ _tag_query(lx.is_positive_semidefinite, lx.positive_semidefinite_tag)
 _tag_query(lx.is_negative_semidefinite, lx.negative_semidefinite_tag)
 
 
-@lx.conj.register(RowOperator)
+@lx.conj.register(AbstractRowOperator)
 def _(operator):
     if _has_real_dtype(operator):
         return operator

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,71 +59,107 @@ def _check_rows(rows: Any) -> int:
     return first[1]
 
 
-def _check_closure(row_fn: Callable, rows: Any, in_structure: Any) -> None:
-    """Refuse a ``row_fn`` that closes over traced values (``UnexpectedTracerError``).
-
-    The kernels are compiled once per ``row_fn`` and their derivative rules only see ``rows``
-    and ``x``: a closed-over tracer (of ``jit``, ``vmap``, ``grad``...) would leak into them, or
-    its derivative would be silently lost. Such values must be passed through ``rows``.
-    """
-    row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows)
-    try:
-        consts = jax.make_jaxpr(row_fn)(row0, in_structure).consts
-    except Exception:  # noqa: BLE001  (a row_fn that fails here fails again, with its own error, when used)
-        return
-    if any(isinstance(c, jax.core.Tracer) for c in consts):
-        raise jax.errors.UnexpectedTracerError(
-            "RowOperator: `row_fn` closes over a traced value (a tracer of jax.jit/vmap/grad/...); "
-            "its derivative would be lost and it would leak into the compiled kernels. Pass such "
-            "values through `rows` (e.g. broadcast to a leading axis of n_rows) instead of "
-            "closing over them."
+def _check_vector(vector: Any, expected: Any, what: str) -> None:
+    got = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), vector)
+    ok = jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected) and all(
+        g.shape == e.shape and g.dtype == e.dtype
+        for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected))
+    )
+    if not ok:
+        raise ValueError(
+            f"{what}: the input does not match the operator's input structure: expected "
+            f"{_fmt(expected)}, got {_fmt(got)}."
         )
 
 
 class AbstractRowOperator(lx.AbstractLinearOperator):
-    """Shared parts of :class:`RowOperator` and its transpose (not for direct use).
+    """The interface of a row operator ``x -> [row_fn(row_i, x) for each row i]``.
 
-    Subclasses provide ``rows`` (per-row data), ``spec`` (static: ``row_fn``, chunk size,
-    ``x``'s structure) and ``tags``.
+    A new kind of row operator is one subclass. It provides ``rows`` (a pytree of arrays with a
+    leading axis of ``n_rows``), ``tags``, ``chunk_size``, the per-row function ``row_fn``
+    (linear in ``x``), ``in_structure()`` and two kernels: ``apply(x)`` (``A x``) and
+    ``apply_transpose(y)`` (``A^T y``). Everything else is built on those: ``mv``, the
+    transpose (a :class:`TransposedRowOperator` whose ``mv`` is ``apply_transpose``),
+    ``out_structure``, ``as_matrix``, :func:`chunkop.check_linear`,
+    :func:`chunkop.gram_diagonal`, :func:`chunkop.to_scipy` and the lineax registrations.
+    :class:`RowOperator` is the chunked implementation.
+
+    Example:
+        >>> import equinox as eqx, jax, jax.numpy as jnp, chunkop
+        >>> class DenseRows(chunkop.AbstractRowOperator):  # y_i = w_i . x, dense kernels
+        ...     rows: jax.Array
+        ...     tags: frozenset = eqx.field(static=True, default=frozenset())
+        ...     row_fn = property(lambda self: lambda row, x: jnp.dot(row, x))
+        ...     chunk_size = property(lambda self: 16)
+        ...     def in_structure(self):
+        ...         return jax.ShapeDtypeStruct(self.rows.shape[1:], self.rows.dtype)
+        ...     def apply(self, x):
+        ...         return self.rows @ x
+        ...     def apply_transpose(self, y):
+        ...         return self.rows.T @ y
+        >>> D = DenseRows(jnp.array([[1.0, 2.0], [3.0, 4.0], [0.0, 1.0]]))
+        >>> D.T.mv(jnp.ones(3))
+        Array([4., 7.], dtype=float32)
+        >>> chunkop.gram_diagonal(D)
+        Array([10., 21.], dtype=float32)
+        >>> sorted(chunkop.check_linear(D))
+        ['adjoint', 'matvec', 'superposition', 'zero']
     """
+
+    rows: eqx.AbstractVar[Any]
+    tags: eqx.AbstractVar[frozenset]
+
+    @property
+    def row_fn(self) -> Callable:
+        """The per-row function ``row_fn(row, x)`` (linear in ``x``)."""
+        raise NotImplementedError
+
+    @property
+    def chunk_size(self) -> int:
+        """The number of rows computed at once."""
+        raise NotImplementedError
+
+    def apply(self, vector: Any) -> Any:
+        """The matvec kernel ``A x`` (``vector`` already checked against ``in_structure()``)."""
+        raise NotImplementedError
+
+    def apply_transpose(self, vector: Any) -> Any:
+        """The transposed kernel ``A^T y`` (``vector`` already checked against ``out_structure()``)."""
+        raise NotImplementedError
 
     @property
     def n_rows(self) -> int:
         """The number of rows (the size of the leading axis of every leaf of ``rows``)."""
         return jax.tree_util.tree_leaves(self.rows)[0].shape[0]
 
-    @property
-    def row_fn(self) -> Callable:
-        """The per-row function ``row_fn(row, x)`` (linear in ``x``)."""
-        return self.spec.row_fn
+    def mv(self, vector: Any) -> Any:
+        """``A x``: rows stacked along a leading axis of ``n_rows``.
 
-    @property
-    def chunk_size(self) -> int:
-        """The number of rows computed at once."""
-        return self.spec.chunk_size
+        Args:
+            vector: a pytree matching ``in_structure()``.
 
-    def _x_structure(self) -> Any:
-        return self.spec.in_structure()
+        Returns:
+            A pytree matching ``out_structure()``.
+        """
+        _check_vector(vector, self.in_structure(), f"{type(self).__name__}.mv")
+        return self.apply(vector)
 
-    def _y_structure(self) -> Any:
+    def transpose(self) -> TransposedRowOperator:
+        """The transpose ``A^T`` (its own kernel, ``apply_transpose``); ``A.T.T`` is ``A``.
+
+        Returns:
+            A :class:`TransposedRowOperator` sharing this operator's rows.
+        """
+        return TransposedRowOperator(self)
+
+    def out_structure(self) -> Any:
+        """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``."""
         row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.rows)
-        per_row = jax.eval_shape(self.spec.row_fn, row0, self._x_structure())
-        return jax.tree_util.tree_map(
+        per_row = jax.eval_shape(self.row_fn, row0, self.in_structure())
+        structs = jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct((self.n_rows,) + tuple(s.shape), s.dtype), per_row
         )
-
-    @staticmethod
-    def _check_vector(vector: Any, expected: Any, what: str) -> None:
-        got = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), vector)
-        ok = jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected) and all(
-            g.shape == e.shape and g.dtype == e.dtype
-            for g, e in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected))
-        )
-        if not ok:
-            raise ValueError(
-                f"{what}: the input does not match the operator's input structure: expected "
-                f"{_fmt(expected)}, got {_fmt(got)}."
-            )
+        return _sharding.with_sharding(structs, self, rows=True)  # Explicit-mesh row sharding
 
     def as_matrix(self) -> jax.Array:
         """The dense ``(out_size, in_size)`` matrix, materialised one chunk of rows at a time.
@@ -161,6 +198,7 @@ class RowOperator(AbstractRowOperator):
     """
 
     rows: Any
+    consts: tuple
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
     mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _sharding)
@@ -176,11 +214,13 @@ class RowOperator(AbstractRowOperator):
         tags: object | Iterable[object] = (),
         memory_budget: int | None = None,
     ) -> None:
-        """Build the operator (arguments are checked here, before any tracing).
+        """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
 
         Args:
             row_fn: ``row_fn(row, x) -> y_row``, linear in ``x``; ``row`` is one slice of
-                ``rows``. It must not close over traced values: pass them through ``rows``.
+                ``rows``. It is traced once, here: the arrays it closes over (concrete or
+                traced, e.g. a parameter under ``jax.grad``) become the operator's ``consts``,
+                used by ``mv``, ``T.mv`` and all derivatives, and differentiable.
                 (A non-linear ``row_fn`` would act as its linear part at ``x = 0``: check new
                 operators with :func:`chunkop.check_linear`.)
             rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
@@ -197,52 +237,57 @@ class RowOperator(AbstractRowOperator):
         chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where="RowOperator")
         n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
-        _check_closure(row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)))
         if chunk_size == "auto":
-            self.budget_plan = _budget.plan_rows(row_fn, rows, in_leaves, in_tree, memory_budget)
+            x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
+            self.budget_plan = _budget.plan_rows(row_fn, rows, x_struct, memory_budget)
             chunk_size = self.budget_plan.chunk or n_rows
-        self.rows = rows
-        self.spec = _rows.Spec(row_fn, chunk_size, in_leaves, in_tree)
-        self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
         self.mesh_axes = _sharding.row_mesh(rows)
+        self.spec, self.consts = _rows.make_spec(
+            row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size
+        )
+        self.rows = rows
+        self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 
-    def mv(self, vector: Any) -> Any:
-        """``A x``: rows stacked along a leading axis of ``n_rows``.
+    @property
+    def row_fn(self) -> Callable:
+        """The per-row function ``row_fn(row, x)`` (linear in ``x``).
 
-        Args:
-            vector: a pytree matching ``in_structure()``.
-
-        Returns:
-            A pytree matching ``out_structure()``.
+        It evaluates the ``row_fn`` traced when the operator was built, with this operator's
+        ``consts`` (the arrays it closed over then).
         """
-        self._check_vector(vector, self._x_structure(), "RowOperator.mv")
-        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices
-            return _sharding.sharded_apply(_rows.apply, self.spec, self.rows, vector, mesh_axes)
-        return _rows.apply(self.spec, self.rows, vector)
+        return functools.partial(self.spec.row_fn, self.consts)
 
-    def transpose(self) -> TransposedRowOperator:
-        """The transpose ``A^T`` (its own chunked kernel); ``A.T.T`` is ``A``.
-
-        Returns:
-            A :class:`TransposedRowOperator` sharing this operator's rows.
-        """
-        return TransposedRowOperator(self)
+    @property
+    def chunk_size(self) -> int:
+        """The number of rows computed at once."""
+        return self.spec.chunk_size
 
     def in_structure(self) -> Any:
         """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
-        return _sharding.with_sharding(self._x_structure(), self, rows=False)
+        return _sharding.with_sharding(self.spec.in_structure(), self, rows=False)
 
-    def out_structure(self) -> Any:
-        """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``."""
-        return _sharding.with_sharding(self._y_structure(), self, rows=True)
+    def apply(self, vector: Any) -> Any:
+        """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
+        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices
+            return _sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
+        return _rows.apply(self.spec, self.consts, self.rows, vector)
+
+    def apply_transpose(self, vector: Any) -> Any:
+        """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
+        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
+            return _sharding.sharded_apply_transpose(
+                _rows.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes
+            )
+        return _rows.apply_transpose(self.spec, self.consts, self.rows, vector)
 
 
-class TransposedRowOperator(AbstractRowOperator):
-    """``A^T`` for a :class:`RowOperator` ``A``: ``y -> sum_i row_fn(row_i, .)^T y_i``.
+class TransposedRowOperator(lx.AbstractLinearOperator):
+    """``A^T`` for a row operator ``A``: ``y -> sum_i row_fn(row_i, .)^T y_i``.
 
-    Built by ``A.T``; its ``mv`` is a scan over chunks of rows, each chunk recomputing its
-    weights and accumulating its ``jax.linear_transpose`` into the ``x`` space. It is
-    differentiable like ``A.mv`` (w.r.t. ``y`` and the float leaves of ``rows``).
+    Built by ``A.T``; its ``mv`` is ``A``'s ``apply_transpose`` kernel (for a
+    :class:`RowOperator`: a scan over chunks of rows, each chunk recomputing its weights and
+    accumulating its ``jax.linear_transpose`` into the ``x`` space). It is differentiable like
+    ``A.mv`` (w.r.t. ``y``, the float leaves of ``rows`` and the arrays ``row_fn`` closes over).
 
     Example:
         >>> import jax, jax.numpy as jnp, chunkop
@@ -255,7 +300,7 @@ class TransposedRowOperator(AbstractRowOperator):
         True
     """
 
-    operator: RowOperator
+    operator: AbstractRowOperator
 
     @property
     def rows(self) -> Any:
@@ -263,9 +308,19 @@ class TransposedRowOperator(AbstractRowOperator):
         return self.operator.rows
 
     @property
-    def spec(self) -> _rows.Spec:
-        """The static description (``row_fn``, chunk size, ``x``'s structure) of the original."""
-        return self.operator.spec
+    def row_fn(self) -> Callable:
+        """The original operator's ``row_fn``."""
+        return self.operator.row_fn
+
+    @property
+    def chunk_size(self) -> int:
+        """The original operator's chunk size."""
+        return self.operator.chunk_size
+
+    @property
+    def n_rows(self) -> int:
+        """The original operator's number of rows."""
+        return self.operator.n_rows
 
     @property
     def tags(self) -> frozenset:
@@ -281,16 +336,14 @@ class TransposedRowOperator(AbstractRowOperator):
         Returns:
             A pytree matching ``out_structure()`` (the original operator's input).
         """
-        self._check_vector(vector, self._y_structure(), "RowOperator.T.mv")
-        if (mesh_axes := _sharding.operator_mesh(self.operator)) is not None:  # one psum of A^T y
-            return _sharding.sharded_apply_transpose(_rows.apply_transpose, self.spec, self.rows, vector, mesh_axes)
-        return _rows.apply_transpose(self.spec, self.rows, vector)
+        _check_vector(vector, self.in_structure(), f"{type(self.operator).__name__}.T.mv")
+        return self.operator.apply_transpose(vector)
 
-    def transpose(self) -> RowOperator:
+    def transpose(self) -> AbstractRowOperator:
         """The original operator.
 
         Returns:
-            The :class:`RowOperator` this is the transpose of (``A.T.T is A``).
+            The row operator this is the transpose of (``A.T.T is A``).
         """
         return self.operator
 
@@ -301,6 +354,26 @@ class TransposedRowOperator(AbstractRowOperator):
     def out_structure(self) -> Any:
         """The structure of ``A^T y``: the original operator's input structure."""
         return self.operator.in_structure()
+
+    def as_matrix(self) -> jax.Array:
+        """The dense matrix: the transpose of the original operator's.
+
+        Returns:
+            ``self.transpose().as_matrix().T``.
+        """
+        return self.operator.as_matrix().T
+
+
+def row_form(operator: Any, where: str) -> tuple[AbstractRowOperator, bool]:
+    """``(A, transposed)`` for a row operator ``A`` or its transpose; ``TypeError`` otherwise."""
+    if isinstance(operator, AbstractRowOperator):
+        return operator, False
+    if isinstance(operator, TransposedRowOperator):
+        return operator.operator, True
+    raise TypeError(
+        f"{where}: `operator` must be a chunkop.RowOperator (or another AbstractRowOperator, or "
+        f"its transpose), got {type(operator).__name__}."
+    )
 
 
 def linear_jacobian(f: Callable[[jax.Array], jax.Array], flat_x: jax.Array) -> jax.Array:
@@ -316,9 +389,8 @@ def linear_jacobian(f: Callable[[jax.Array], jax.Array], flat_x: jax.Array) -> j
     return jax.jacrev(f)(flat_x)
 
 
-def _dense(op: AbstractRowOperator) -> jax.Array:
+def _dense(base: AbstractRowOperator) -> jax.Array:
     """Chunked dense materialisation (used by ``as_matrix``)."""
-    base = op if isinstance(op, RowOperator) else op.operator
     x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), base.in_structure())
     flat_x, unravel_x = ravel_pytree(x0)
 
@@ -336,9 +408,9 @@ def _dense(op: AbstractRowOperator) -> jax.Array:
         offset = 0
         for leaf in per_row:
             size = int(np.prod(leaf.shape))
-            mats.append(blocks[:, offset : offset + size, :].reshape(-1, flat_x.size))
+            mats.append(blocks[:, offset : offset + size, :].reshape(base.n_rows * size, flat_x.size))
             offset += size
         matrix = jnp.concatenate(mats, axis=0)
     else:
-        matrix = blocks.reshape(-1, flat_x.size)
-    return matrix if op is base else matrix.T
+        matrix = blocks.reshape(base.n_rows * blocks.shape[1], flat_x.size)
+    return matrix

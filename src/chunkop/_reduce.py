@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ._chunking import Remat, sum_chunks
+from ._progress import Progress
 from ._vmap import LoopSpec, _accumulation_dtype, _chunk_vmap, _Chunked, _moved, _widen, _wrap
 
 __all__ = ["sum", "mean"]
@@ -45,7 +46,7 @@ def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = Fals
             return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
 
         init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
-        total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init)
+        total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
         if divide:
             total = [t / plan.size if jnp.issubdtype(t.dtype, jnp.inexact) else t / jnp.float32(plan.size) for t in total]
         return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
@@ -89,7 +90,9 @@ class _Averaged(_Summed):
     _loop = staticmethod(functools.partial(sum_loop, divide=True))
 
 
-def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat, memory_budget=None) -> Callable:
+def _make(
+    cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat, progress=None, memory_budget=None
+) -> Callable:
     return _wrap(
         fun,
         cls(
@@ -100,6 +103,7 @@ def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_s
             axis_size=axis_size,
             spmd_axis_name=None,
             remat=remat,
+            progress=progress,
             memory_budget=memory_budget,
         ),
     )
@@ -112,6 +116,7 @@ def sum(  # noqa: A001
     chunk_size: int | str | None,
     axis_size: int | None = None,
     remat: Remat = True,
+    progress: Progress = None,
     memory_budget: int | None = None,
 ) -> Callable:
     """``lambda *a: jax.vmap(fun, in_axes)(*a)`` summed over the mapped axis, chunk by chunk.
@@ -129,6 +134,7 @@ def sum(  # noqa: A001
             ``"auto"`` to choose it from ``memory_budget`` (as in :func:`chunkop.vmap`).
         axis_size: size of the mapped axis when no argument is mapped.
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
         memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
@@ -140,7 +146,7 @@ def sum(  # noqa: A001
         >>> jax.grad(loss)(jnp.ones(3), jnp.ones((10, 3)))
         Array([60., 60., 60.], dtype=float32)
     """
-    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, memory_budget)
+    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget)
 
 
 def mean(
@@ -150,6 +156,7 @@ def mean(
     chunk_size: int | str | None,
     axis_size: int | None = None,
     remat: Remat = True,
+    progress: Progress = None,
     memory_budget: int | None = None,
 ) -> Callable:
     """Like :func:`chunkop.sum`, divided by the size of the mapped axis.
@@ -161,6 +168,7 @@ def mean(
             ``"auto"`` to choose it from ``memory_budget`` (as in :func:`chunkop.vmap`).
         axis_size: size of the mapped axis when no argument is mapped.
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
         memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
@@ -171,4 +179,4 @@ def mean(
         >>> chunkop.mean(jnp.sin, chunk_size=4)(jnp.zeros(10))
         Array(0., dtype=float32)
     """
-    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, memory_budget)
+    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget)

@@ -18,15 +18,21 @@ __all__ = ["to_scipy"]
 def to_scipy(operator: lx.AbstractLinearOperator) -> spla.LinearOperator:
     """Wrap a lineax operator (e.g. :class:`chunkop.RowOperator`) for SciPy's iterative solvers.
 
-    ``matvec``, ``rmatvec`` and ``matmat`` run through jitted kernels (``operator.mv``,
-    ``operator.T.mv`` and a vmap of ``mv`` over columns), compiled once per input shape; vectors
-    are flattened in ``jax.flatten_util.ravel_pytree`` order; NumPy arrays in and out.
+    ``matvec``, ``rmatvec``, ``matmat`` and ``rmatmat`` run through jitted kernels
+    (``operator.mv``, ``operator.T.mv`` and vmaps of them over columns), compiled once per input
+    shape; vectors are flattened in ``jax.flatten_util.ravel_pytree`` order; NumPy arrays in and
+    out. As SciPy's contract requires, ``rmatvec``/``rmatmat`` apply the *adjoint* ``A^H``
+    (``conj(A^T conj(v))``), which differs from the transpose ``operator.T`` for complex
+    operators.
 
     Args:
         operator: any ``lineax.AbstractLinearOperator`` with float structures.
 
     Returns:
         A ``scipy.sparse.linalg.LinearOperator`` of shape ``(out_size, in_size)``.
+
+    Raises:
+        TypeError: if ``operator`` is not a ``lineax.AbstractLinearOperator``.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpy as np, chunkop, scipy.sparse.linalg as spla
@@ -37,6 +43,11 @@ def to_scipy(operator: lx.AbstractLinearOperator) -> spla.LinearOperator:
         >>> S.shape, S.matvec(np.ones(3))
         ((4, 3), array([ 1.,  2.,  1., -1.], dtype=float32))
     """
+    if not isinstance(operator, lx.AbstractLinearOperator):
+        raise TypeError(
+            "to_scipy: `operator` must be a lineax.AbstractLinearOperator (e.g. a "
+            f"chunkop.RowOperator), got {type(operator).__name__}."
+        )
     in_struct, out_struct = operator.in_structure(), operator.out_structure()
     zeros = lambda s: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s)  # noqa: E731
     in_flat, unravel_in = ravel_pytree(zeros(in_struct))
@@ -48,12 +59,16 @@ def to_scipy(operator: lx.AbstractLinearOperator) -> spla.LinearOperator:
         return ravel_pytree(operator.mv(unravel_in(v)))[0]
 
     @jax.jit
-    def _rmv(v: jax.Array) -> jax.Array:
-        return ravel_pytree(operator.T.mv(unravel_out(v)))[0]
+    def _rmv(v: jax.Array) -> jax.Array:  # the adjoint: conj(A^T conj(v))
+        return jnp.conj(ravel_pytree(operator.T.mv(unravel_out(jnp.conj(v))))[0])
 
     @jax.jit
     def _mm(m: jax.Array) -> jax.Array:
         return jax.vmap(_mv, in_axes=1, out_axes=1)(m)
+
+    @jax.jit
+    def _rmm(m: jax.Array) -> jax.Array:
+        return jax.vmap(_rmv, in_axes=1, out_axes=1)(m)
 
     def check(v: Any, size: int, what: str) -> jax.Array:
         v = np.asarray(v)
@@ -67,4 +82,5 @@ def to_scipy(operator: lx.AbstractLinearOperator) -> spla.LinearOperator:
         matvec=lambda v: np.asarray(_mv(check(v, in_flat.size, "matvec").reshape(-1))),
         rmatvec=lambda v: np.asarray(_rmv(check(v, out_flat.size, "rmatvec").reshape(-1))),
         matmat=lambda m: np.asarray(_mm(check(m, in_flat.size, "matmat"))),
+        rmatmat=lambda m: np.asarray(_rmm(check(m, out_flat.size, "rmatmat"))),
     )

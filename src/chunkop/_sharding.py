@@ -349,12 +349,13 @@ def _check_even(n: int, mesh_axes: MeshAxes) -> None:
         )
 
 
-def sharded_apply(apply: Callable, spec: Any, rows: Any, x: Any, mesh_axes: MeshAxes) -> Any:
-    """``A x`` with each device computing its own rows: ``apply(spec, local_rows, x)`` per device.
+def sharded_apply(apply: Callable, spec: Any, consts: Any, rows: Any, x: Any, mesh_axes: MeshAxes) -> Any:
+    """``A x`` with each device computing its own rows: ``apply(spec, consts, local_rows, x)``.
 
     Args:
-        apply: the single-device matvec ``apply(spec, rows, x)``.
+        apply: the single-device matvec ``apply(spec, consts, rows, x)``.
         spec: the operator's static description.
+        consts: the arrays ``row_fn`` closes over (replicated on every device).
         rows: the row pytree, sharded along axis 0 over ``mesh_axes``.
         x: the input (replicated on every device).
         mesh_axes: from :func:`row_mesh`.
@@ -365,29 +366,28 @@ def sharded_apply(apply: Callable, spec: Any, rows: Any, x: Any, mesh_axes: Mesh
     names = mesh_axes.names
     _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
     row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
-    x_specs = jax.tree_util.tree_map(lambda _: P(), x)
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
 
-    def local(r: Any, v: Any) -> Any:
+    def local(c: Any, r: Any, v: Any) -> Any:
         with _inside_local():
-            return apply(spec, r, v)
+            return apply(spec, c, r, v)
 
-    rows, x = _conform(rows, row_specs, mesh_axes), _conform(x, x_specs, mesh_axes)
-
-    out_specs = _spec_at(0, names)
+    consts, rows, x = _conform(consts, rep(consts), mesh_axes), _conform(rows, row_specs, mesh_axes), _conform(x, rep(x), mesh_axes)
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(row_specs, x_specs), out_specs=out_specs, axis_names=set(names),
-        check_vma=False,
-    )(rows, x)
+        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, rep(x)), out_specs=_spec_at(0, names),
+        axis_names=set(names), check_vma=False,
+    )(consts, rows, x)
 
 
 def sharded_apply_transpose(
-    apply_transpose: Callable, spec: Any, rows: Any, y: Any, mesh_axes: MeshAxes
+    apply_transpose: Callable, spec: Any, consts: Any, rows: Any, y: Any, mesh_axes: MeshAxes
 ) -> Any:
     """``A^T y``: each device transposes its own rows, then one ``psum`` over ``mesh_axes``.
 
     Args:
-        apply_transpose: the single-device transpose ``apply_transpose(spec, rows, y)``.
+        apply_transpose: the single-device transpose ``apply_transpose(spec, consts, rows, y)``.
         spec: the operator's static description.
+        consts: the arrays ``row_fn`` closes over (replicated on every device).
         rows: the row pytree, sharded along axis 0 over ``mesh_axes``.
         y: the output-space vector (its rows are resharded like ``rows`` if they are not).
         mesh_axes: from :func:`row_mesh`.
@@ -399,15 +399,15 @@ def sharded_apply_transpose(
     _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
     row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
     y_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), y)
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
 
-    def local(r: Any, w: Any) -> Any:
+    def local(c: Any, r: Any, w: Any) -> Any:
         with _inside_local():
-            part = apply_transpose(spec, r, w)
+            part = apply_transpose(spec, c, r, w)
         return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), part)
 
-    rows, y = _conform(rows, row_specs, mesh_axes), _conform(y, y_specs, mesh_axes)
-
+    consts, rows, y = _conform(consts, rep(consts), mesh_axes), _conform(rows, row_specs, mesh_axes), _conform(y, y_specs, mesh_axes)
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(row_specs, y_specs), out_specs=P(), axis_names=set(names),
-        check_vma=False,
-    )(rows, y)
+        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, y_specs), out_specs=P(),
+        axis_names=set(names), check_vma=False,
+    )(consts, rows, y)

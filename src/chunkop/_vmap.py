@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from ._axes import (
     check_axis_size,
-    check_chunk_size,
     check_in_axes_spec,
     check_out_axes_spec,
     check_remat,
@@ -23,6 +22,7 @@ from ._axes import (
 from . import _budget, _sharding
 from ._cache import Uncacheable, cached, callable_key
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
+from ._progress import Progress, check_progress
 from ._trace import eval_traced, trace_example
 
 __all__ = ["vmap", "map"]
@@ -65,6 +65,11 @@ def _narrow(consts: list, dtypes: list) -> list:
     return [c if jnp.result_type(c) == d else c.astype(d) for c, d in zip(consts, dtypes)]
 
 
+def _setting_key(value: Any) -> Hashable:
+    """A cache key for ``remat``/``progress``: by value for True/False/None, else the callable's key."""
+    return value if value is None or isinstance(value, bool) else callable_key(value)
+
+
 class LoopSpec(NamedTuple):
     """Everything static about one chunk loop besides the jaxpr (hashable: part of its key)."""
 
@@ -73,6 +78,7 @@ class LoopSpec(NamedTuple):
     remat: Remat
     spmd_axis_name: Any
     out_axes: tuple  # flat, one per output leaf (stacking loops only)
+    progress: Progress = None
 
 
 def _chunk_vmap(jaxpr: Any, spec: LoopSpec, consts: list, dtypes: list, out_axes: Any, m: int) -> Callable:
@@ -104,7 +110,8 @@ def stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, l
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
         ys_full, ys_rem, zs = stack_chunks(
-            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, [out_leaves[k] for k in carried]
+            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, [out_leaves[k] for k in carried],
+            progress=spec.progress,
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
@@ -141,6 +148,7 @@ class _Chunked(abc.ABC):
         axis_size: int | None,
         spmd_axis_name: Any,
         remat: Remat,
+        progress: Progress = None,
         memory_budget: int | None = None,
     ) -> None:
         if not callable(fun):
@@ -154,6 +162,7 @@ class _Chunked(abc.ABC):
         self.axis_size = check_axis_size(axis_size, self.where)
         self.spmd_axis_name = spmd_axis_name
         self.remat = check_remat(remat, self.where)
+        self.progress = check_progress(progress, self.where)
 
     def _flat_arguments(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
         return flat_in_axes(self.in_axes, args, kwargs, self.where)
@@ -182,6 +191,7 @@ class _Chunked(abc.ABC):
             remat=self.remat,
             spmd_axis_name=self.spmd_axis_name,
             out_axes=self._flat_out_axes(traced.out_shapes),
+            progress=self.progress,
         )
         make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
         loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
@@ -216,8 +226,11 @@ class _Chunked(abc.ABC):
 
     def _cached_loop(self, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:
         try:
-            remat_key = spec.remat if isinstance(spec.remat, bool) else callable_key(spec.remat)
-            full_key = (type(self).__name__, key, spec._replace(remat=remat_key))
+            full_key = (
+                type(self).__name__,
+                key,
+                spec._replace(remat=_setting_key(spec.remat), progress=_setting_key(spec.progress)),
+            )
             hash(full_key)
         except (Uncacheable, TypeError):
             return make()
@@ -292,6 +305,7 @@ def vmap(
     axis_size: int | None = None,
     spmd_axis_name: Any = None,
     remat: Remat = True,
+    progress: Progress = None,
     memory_budget: int | None = None,
 ) -> Callable:
     """``jax.vmap`` that computes the mapped axis in sequential chunks of at most ``chunk_size``.
@@ -307,13 +321,18 @@ def vmap(
     inputs are not copied either. ``chunk_size=None`` or ``chunk_size >= n`` is exactly
     ``jax.vmap``.
 
-    Tracing: when chunking, ``fun`` is traced once abstractly on one example (output shapes,
-    collectives), once at ``chunk_size`` and, if ``n % chunk_size != 0``, once at the remainder
-    size; the chunk loop is then cached per input signature, so repeated calls (eager or under
-    ``jit``) do not retrace. As under ``jax.jit``, array arguments are abstract while tracing.
+    Tracing: when chunking, each call traces ``fun`` once on one abstract example (as
+    ``jax.vmap`` traces it once per call), so results always reflect the state at call time.
+    Arrays ``fun`` closes over, unmapped array arguments and tracers of enclosing transforms are
+    hoisted out of that trace and passed to the compiled chunk loop as arguments (closure
+    conversion); the loop is cached by what was traced (the jaxpr's structure, shapes and
+    dtypes), never by ``fun``, so repeated calls compile once. Unmapped non-array arguments
+    reach ``fun`` as ``jax.vmap`` passes them. See :func:`chunkop.clear_caches`.
 
-    Collectives over ``axis_name`` (``psum``, ``axis_index``, ``all_gather`` ...) cannot be
-    computed chunk by chunk; ``fun`` using one with ``chunk_size < n`` raises ``ValueError``.
+    Collectives over ``axis_name`` (``psum`` of mapped values, ``axis_index``, ``all_gather``
+    ...) cannot be computed chunk by chunk; ``fun`` using one with ``chunk_size < n`` raises
+    ``ValueError`` (also when only a custom rule uses it). Queries of the axis size
+    (``lax.axis_size``, ``lax.psum`` of an unmapped value) give the full size ``n``.
 
     Args:
         fun: function to map. Keyword arguments are mapped over their axis 0 (as ``jax.vmap``).
@@ -332,6 +351,12 @@ def vmap(
         remat: True to rematerialise each chunk in reverse mode (bounded memory, about one extra
             forward pass of compute); False to store every chunk's residuals (memory grows
             with ``n``, as ``jax.lax.map``); or a ``jax.checkpoint`` policy to save some.
+        progress: True to show a progress bar on stderr (tqdm if installed, else ``k/n chunks``)
+            advanced by every chunk from inside the compiled loop, eagerly and under ``jit``; or
+            a callable ``progress(k, n)`` called on the host after chunk ``k`` of ``n`` (the
+            remainder counts as one; under ``vmap`` it may be called repeatedly with the same
+            ``k``; reports are asynchronous, ``jax.effects_barrier()`` waits for them). None or
+            False (default): nothing is added to the program. No report when not chunking.
         memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
             device's free memory (``chunkop._budget.default_budget``).
 
@@ -355,6 +380,7 @@ def vmap(
             axis_size=axis_size,
             spmd_axis_name=spmd_axis_name,
             remat=remat,
+            progress=progress,
             memory_budget=memory_budget,
         ),
     )
@@ -369,7 +395,8 @@ class _Mapped(_VMapped):
 
 
 def map(  # noqa: A001
-    f: Callable, xs: Any, *, chunk_size: int | str, remat: Remat = True, memory_budget: int | None = None
+    f: Callable, xs: Any, *, chunk_size: int | str, remat: Remat = True, progress: Progress = None,
+    memory_budget: int | None = None,
 ) -> Any:
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
 
@@ -384,6 +411,7 @@ def map(  # noqa: A001
         chunk_size: the number of slices vectorised at once (a positive int), or ``"auto"``
             (as in :func:`chunkop.vmap`).
         remat: as in :func:`chunkop.vmap`.
+        progress: as in :func:`chunkop.vmap`.
         memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
@@ -397,6 +425,6 @@ def map(  # noqa: A001
     chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=_Mapped.where)
     mapped = _Mapped(
         f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat,
-        memory_budget=memory_budget,
+        progress=progress, memory_budget=memory_budget,
     )
     return mapped(xs)
