@@ -242,9 +242,10 @@ class RowOperator(AbstractRowOperator):
             self.budget_plan = _budget.plan_rows(row_fn, rows, x_struct, memory_budget)
             chunk_size = self.budget_plan.chunk or n_rows
         self.mesh_axes = _sharding.row_mesh(rows)
-        self.spec, self.consts = _rows.make_spec(
-            row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size
-        )
+        with _sharding.spec_context(rows):  # rows over devices: trace without a mesh context
+            self.spec, self.consts = _rows.make_spec(
+                row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size
+            )
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 

@@ -42,6 +42,7 @@ __all__ = [
     "call_sharded",
     "row_mesh",
     "operator_mesh",
+    "spec_context",
     "with_sharding",
     "sharded_apply",
     "sharded_apply_transpose",
@@ -288,6 +289,18 @@ def row_mesh(rows: Any) -> MeshAxes | None:
     """
     leaves = jax.tree_util.tree_leaves(rows)
     return mapped_mesh_axes(leaves, [0] * len(leaves), "RowOperator")
+
+
+def spec_context(rows: Any) -> Any:
+    """The context to trace a row-sharded operator's ``row_fn`` in: no mesh.
+
+    A jaxpr traced under ``jax.set_mesh`` records that mesh in its nested ``jit`` equations
+    (``jnp`` functions are jitted), and evaluating it inside ``shard_map``, where the row axis is
+    Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both places.
+    """
+    if row_mesh(rows) is None:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
 
 def operator_mesh(op: Any) -> MeshAxes | None:
