@@ -292,13 +292,16 @@ def row_mesh(rows: Any) -> MeshAxes | None:
 
 
 def spec_context(rows: Any) -> Any:
-    """The context to trace a row-sharded operator's ``row_fn`` in: no mesh.
+    """The context to trace an operator's ``row_fn`` in: no mesh.
 
     A jaxpr traced under ``jax.set_mesh`` records that mesh in its nested ``jit`` equations
     (``jnp`` functions are jitted), and evaluating it inside ``shard_map``, where the row axis is
-    Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both places.
+    Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both
+    places. This applies to every operator built under a mesh, sharded or not: an operator's
+    ``row_fn`` (its traced jaxpr) may be reused for one with sharded rows (e.g. ``with_rows``).
     """
-    if row_mesh(rows) is None:
+    del rows
+    if jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
