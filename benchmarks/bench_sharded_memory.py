@@ -60,10 +60,13 @@ def main() -> None:
 
             ctx = contextlib.nullcontext()
         with ctx:
-            A = los.make_los_operator(idx, d, s, n_pix=N_PIX, n_bins=N_BINS, chunk_size=a.chunk)
+            if sharded:  # the lines sharded over the devices when the operator is built
+                sh = NamedSharding(mesh, P("rows"))
+                idx_, d_, s_ = (jax.device_put(jnp.asarray(v), sh) for v in (idx, d, s))
+            else:
+                idx_, d_, s_ = idx, d, s
+            A = los.make_los_operator(idx_, d_, s_, n_pix=N_PIX, n_bins=N_BINS, chunk_size=a.chunk)
             if sharded:
-                rows = jax.device_put(A.rows, NamedSharding(mesh, P("rows")))
-                A = los.with_rows(A, **rows)
                 x = jax.ShapeDtypeStruct((N_PIX, N_BINS), jnp.float32, sharding=NamedSharding(mesh, P()))
                 y = jax.ShapeDtypeStruct((N_LOS,), jnp.float32, sharding=NamedSharding(mesh, P("rows")))
             else:

@@ -292,16 +292,17 @@ def row_mesh(rows: Any) -> MeshAxes | None:
 
 
 def spec_context(rows: Any) -> Any:
-    """The context to trace an operator's ``row_fn`` in: no mesh.
+    """The context to trace a row-sharded operator's ``row_fn`` in: no mesh.
 
     A jaxpr traced under ``jax.set_mesh`` records that mesh in its nested ``jit`` equations
     (``jnp`` functions are jitted), and evaluating it inside ``shard_map``, where the row axis is
     Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both
-    places. This applies to every operator built under a mesh, sharded or not: an operator's
-    ``row_fn`` (its traced jaxpr) may be reused for one with sharded rows (e.g. ``with_rows``).
+    places. Only operators with sharded rows are traced so (an unsharded operator built under
+    an Explicit mesh needs its mesh context for its derivatives); so the ``row_fn`` of an
+    operator built under a mesh from unsharded rows cannot be reused for sharded rows: build
+    the sharded operator from its own ``row_fn``, or build the first one outside the mesh.
     """
-    del rows
-    if jax.sharding.get_abstract_mesh().empty:
+    if row_mesh(rows) is None or jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
     return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
 
