@@ -126,8 +126,8 @@ def los_problem(n: int, npix: int = 4096, k: int = 16):
 
         spec = _rows.Spec(row_fn, chunk, (xs,), jax.tree_util.tree_structure(xs))
         leaves, tree = jax.tree_util.tree_flatten(rows)
-        mv = lambda *f: _rows.apply(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])  # noqa: E731
-        tmv = lambda *f: _rows.apply_transpose(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])  # noqa: E731
+        mv = lambda *f: _rows.apply(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])
+        tmv = lambda *f: _rows.apply_transpose(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])
         return max(
             _budget.program_temp_bytes(mv, leaves + [x], "grad"),
             _budget.program_temp_bytes(tmv, leaves + [b], "grad"),
@@ -206,7 +206,7 @@ def report(results: list[dict], load: tuple) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        mib = lambda b: "-" if b is None else f"{b / MiB:.2f} MiB"  # noqa: E731
+        mib = lambda b: "-" if b is None else f"{b / MiB:.2f} MiB"
         best = r["best_hand"]
         lines.append(
             f"| {r['workload']} | {r['n']} | {mib(r['budget'])} | {r['auto_chunk']} | {r['plan_s']:.1f} s | "

@@ -27,11 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "as
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import los  # noqa: E402  (examples/astro_los/los.py)
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import los  # noqa: E402  (examples/astro_los/los.py)
 
 N_PIX, N_BINS, N_LOS = 786432, 516, 132400
 MiB = 2**20

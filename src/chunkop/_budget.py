@@ -99,7 +99,7 @@ class BudgetPlan(NamedTuple):
     cap: int | None = None
 
     def __repr__(self) -> str:
-        mib = lambda b: "None" if b is None else f"{b / 2**20:.2f} MiB"  # noqa: E731
+        mib = lambda b: "None" if b is None else f"{b / 2**20:.2f} MiB"
         return (
             f"BudgetPlan(chunk={self.chunk}, size={self.size}, budget={mib(self.budget)}, "
             f"mode={self.mode!r}, cap={mib(self.cap)}, predicted={mib(self.predicted_bytes)}, "
@@ -259,7 +259,7 @@ def choose_chunk(
         else:
             (ca, ba), (cb, bb) = over[:2] if len(over) > 1 else (over[0], over[0])
         slope = (bb - ba) / (cb - ca) if cb != ca else 0.0
-        target = n - 1 if slope <= 0 else int(math.floor(ca + (budget - ba) / slope))
+        target = n - 1 if slope <= 0 else math.floor(ca + (budget - ba) / slope)
         low = inside[-1][0] if inside else 0
         if low >= max(1, n // 2):
             break
@@ -269,7 +269,7 @@ def choose_chunk(
         c = _candidate(n, target, low)
         if c in measured:
             break
-        predictions[c] = int(round(ba + slope * (c - ca)))
+        predictions[c] = round(ba + slope * (c - ca))
         b = measure(c)
         if b <= budget and b >= 0.9 * budget:
             break

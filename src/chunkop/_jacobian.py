@@ -126,7 +126,9 @@ def jacrev(
         flat_out, unravel = ravel_pytree(out)
         m = flat_out.size
         rows = vmap(
-            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)), chunk_size=chunk_size, memory_budget=memory_budget
+            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)),
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
         )(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         blocks, offset = [], 0
@@ -186,7 +188,9 @@ def jacfwd(
         flat_in, unravel = ravel_pytree(dyn)
         n = flat_in.size
         cols = vmap(
-            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)), chunk_size=chunk_size, memory_budget=memory_budget
+            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)),
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
         )(jnp.arange(n))  # output tree; leaves (n, *out_leaf_shape)
         in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
 
