@@ -23,6 +23,7 @@ and after; on the shared 2-core machine a run under load > ~1.5 is not a figure.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -74,7 +75,7 @@ def mlp_problem(n: int):
     sizes = [64, 256, 256, 10]
     params = [
         (jnp.asarray(rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32), jnp.zeros(b, jnp.float32))
-        for a, b in zip(sizes[:-1], sizes[1:])
+        for a, b in itertools.pairwise(sizes)
     ]
     x = jnp.asarray(rng.normal(size=(n, 64)), jnp.float32)
     y = jnp.asarray(rng.integers(0, 10, n), jnp.int32)
@@ -158,10 +159,19 @@ def run_vmap_grad(n: int, budgets: list[int], repeats: int) -> list[dict]:
         best = min((k for k in times if k.startswith("hand")), key=times.get, default=None)
         results.append(
             dict(
-                workload="vmap-grad", n=n, budget=budget, auto_chunk=auto_chunk, plan_s=plan_s,
-                predicted=plan.predicted_bytes, compiled_plan=plan.compiled_bytes, auto_temp=auto_mem,
-                hand_fitting={c: m for c, m in fitting.items()}, times=times, best_hand=best,
-                ratio=(times["auto"] / times[best]) if best else None, probes=list(plan.probes),
+                workload="vmap-grad",
+                n=n,
+                budget=budget,
+                auto_chunk=auto_chunk,
+                plan_s=plan_s,
+                predicted=plan.predicted_bytes,
+                compiled_plan=plan.compiled_bytes,
+                auto_temp=auto_mem,
+                hand_fitting={c: m for c, m in fitting.items()},
+                times=times,
+                best_hand=best,
+                ratio=(times["auto"] / times[best]) if best else None,
+                probes=list(plan.probes),
                 aa=times["auto (A/A copy)"] / times["auto"],
             )
         )
@@ -186,11 +196,20 @@ def run_operator_hvp(n: int, budgets: list[int], repeats: int) -> list[dict]:
         best = min((k for k in times if k.startswith("hand")), key=times.get, default=None)
         results.append(
             dict(
-                workload="operator-hvp", n=n, budget=budget, auto_chunk=A.chunk_size, plan_s=plan_s,
-                predicted=plan.predicted_bytes, compiled_plan=plan.compiled_bytes,
-                auto_temp=operator_temp(A.chunk_size), hvp_temp_auto=temp_bytes(fns["auto"], *args),
-                hand_fitting=fitting, times=times, best_hand=best,
-                ratio=(times["auto"] / times[best]) if best else None, probes=list(plan.probes),
+                workload="operator-hvp",
+                n=n,
+                budget=budget,
+                auto_chunk=A.chunk_size,
+                plan_s=plan_s,
+                predicted=plan.predicted_bytes,
+                compiled_plan=plan.compiled_bytes,
+                auto_temp=operator_temp(A.chunk_size),
+                hvp_temp_auto=temp_bytes(fns["auto"], *args),
+                hand_fitting=fitting,
+                times=times,
+                best_hand=best,
+                ratio=(times["auto"] / times[best]) if best else None,
+                probes=list(plan.probes),
                 aa=times["auto (A/A copy)"] / times["auto"],
             )
         )
@@ -202,7 +221,8 @@ def report(results: list[dict], load: tuple) -> str:
         f"load average before/after: {load[0]:.2f} / {load[1]:.2f}"
         + ("  (LOADED: timings are not figures)" if max(load) > 1.5 else ""),
         "",
-        "| workload | N | budget | auto chunk | plan time | predicted | compiled (plan) | re-measured | best hand chunk (fits) | auto time | best hand time | auto / best | A/A |",
+        "| workload | N | budget | auto chunk | plan time | predicted | compiled (plan) | re-measured "
+        "| best hand chunk (fits) | auto time | best hand time | auto / best | A/A |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:

@@ -277,9 +277,7 @@ def _operator_checks(kind):
         close(jax.jit(lambda A, x: A.T.mv(A.mv(x)))(A, x), M.T @ (M @ x), rtol=1e-5, atol=1e-4)
         # collectives: mv is local; T.mv one all-reduce of the x-space result
         assert collectives(lambda A, x: A.mv(x), A, x) == [], collectives(lambda A, x: A.mv(x), A, x)
-        assert collectives(lambda A, y: A.T.mv(y), A, ys) == ["all-reduce"], collectives(
-            lambda A, y: A.T.mv(y), A, ys
-        )
+        assert collectives(lambda A, y: A.T.mv(y), A, ys) == ["all-reduce"], collectives(lambda A, y: A.T.mv(y), A, ys)
         assert [h for _, h in scan_lengths(mv, A, x)] == [True]
 
         # derivatives w.r.t. x and the row weights (operator rebuilt from its sharded rows)

@@ -92,9 +92,10 @@ def test_choose_chunk_throughput_cap():
 def test_default_budget_is_a_fraction_of_free_memory():
     free = _budget.free_memory()
     assert free > 0
-    assert _budget.default_budget() == max(1, int(_budget.DEFAULT_FRACTION * free)) or abs(
-        _budget.default_budget() - _budget.DEFAULT_FRACTION * free
-    ) < 0.05 * free  # free memory moves between the two reads
+    assert (
+        _budget.default_budget() == max(1, int(_budget.DEFAULT_FRACTION * free))
+        or abs(_budget.default_budget() - _budget.DEFAULT_FRACTION * free) < 0.05 * free
+    )  # free memory moves between the two reads
 
 
 # -- chunkop.vmap / sum with chunk_size="auto" -------------------------------------------------

@@ -209,8 +209,15 @@ def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n:
 
     try:
         trace_example(
-            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name,
-            chunk_size=n // mesh_axes.n_shards, remat=False, where=wrapper.where,
+            wrapper.fun,
+            leaves,
+            treedef,
+            axes,
+            n,
+            axis_name=wrapper.axis_name,
+            chunk_size=n // mesh_axes.n_shards,
+            remat=False,
+            where=wrapper.where,
         )
     except ValueError as e:
         if "collective" not in str(e):
@@ -391,8 +398,12 @@ def sharded_apply(apply: Callable, spec: Any, consts: Any, rows: Any, x: Any, me
     consts, x = _conform(consts, rep(consts), mesh_axes), _conform(x, rep(x), mesh_axes)
     rows = _conform(rows, row_specs, mesh_axes)
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, rep(x)), out_specs=_spec_at(0, names),
-        axis_names=set(names), check_vma=False,
+        local,
+        mesh=mesh_axes.mesh,
+        in_specs=(rep(consts), row_specs, rep(x)),
+        out_specs=_spec_at(0, names),
+        axis_names=set(names),
+        check_vma=False,
     )(consts, rows, x)
 
 
@@ -426,6 +437,10 @@ def sharded_apply_transpose(
     consts, y = _conform(consts, rep(consts), mesh_axes), _conform(y, y_specs, mesh_axes)
     rows = _conform(rows, row_specs, mesh_axes)
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, y_specs), out_specs=P(),
-        axis_names=set(names), check_vma=False,
+        local,
+        mesh=mesh_axes.mesh,
+        in_specs=(rep(consts), row_specs, y_specs),
+        out_specs=P(),
+        axis_names=set(names),
+        check_vma=False,
     )(consts, rows, y)

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from . import _budget, _sharding
 from ._axes import (
     check_axis_size,
     check_in_axes_spec,
@@ -19,7 +20,6 @@ from ._axes import (
     flat_out_axes,
     mapped_size,
 )
-from . import _budget, _sharding
 from ._cache import Uncacheable, cached, callable_key
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
 from ._progress import Progress, check_progress
