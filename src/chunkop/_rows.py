@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from ._cache import Uncacheable, jaxpr_key
+
 __all__ = ["Spec", "make_spec", "apply", "apply_transpose"]
 
 _tu = jax.tree_util
@@ -47,38 +49,15 @@ _tu = jax.tree_util
 # -- the static description of an operator ------------------------------------------------------
 
 
-def _opaque(jaxpr: Any) -> bool:
-    """Whether ``jaxpr``'s printed form may not determine what it computes.
-
-    Callables in equation parameters (``custom_jvp`` rules, ``custom_vjp`` functions, host
-    callbacks) and values closed into sub-jaxprs are printed by name only.
-    """
-    for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(item, "jaxpr", None)
-                if hasattr(item, "eqns"):
-                    if _opaque(item):
-                        return True
-                elif inner is not None and hasattr(inner, "eqns"):  # a ClosedJaxpr
-                    if getattr(item, "consts", ()) or _opaque(inner):
-                        return True
-                elif hasattr(item, "call_wrapped") or (  # (a linear_util.WrappedFun)
-                    callable(item) and not isinstance(item, (jax.sharding.Mesh, jax.sharding.AbstractMesh))
-                ):
-                    return True
-    return False
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Spec:
     """The static part of an operator: ``row_fn``'s jaxpr and the structures around it.
 
     Hashable, and passed as a static argument of the jitted kernels. Two specs are equal when
-    their ``key`` is (the printed jaxpr, whose constants are variables, plus the structures):
-    then they compute the same function of ``(consts, row, x)``, and share compiled kernels.
-    A jaxpr whose printed form may not determine it (see :func:`_opaque`) gets no key: its
-    spec is equal only to itself.
+    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._cache.jaxpr_key`, whose
+    constants are variables, plus the structures): then they compute the same function of
+    ``(consts, row, x)``, and share compiled kernels. A jaxpr that cannot be fingerprinted gets
+    no key: its spec is equal only to itself.
     """
 
     jaxpr: Any = dataclasses.field(repr=False)  # open jaxpr: constvars = the closed-over arrays; invars = row leaves, x leaves
@@ -128,9 +107,10 @@ def make_spec(row_fn: Callable, rows: Any, in_structure: Any, chunk_size: int) -
     jaxpr = closed.jaxpr
     row_tree = _tu.tree_structure(row0)
     out_tree = _tu.tree_structure(out_shape)
-    key = None
-    if not _opaque(jaxpr):
-        key = (str(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree)
+    try:
+        key = (jaxpr_key(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree)
+    except Uncacheable:
+        key = None
     spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key)
     return spec, tuple(closed.consts)
 
