@@ -15,6 +15,7 @@ from jax.flatten_util import ravel_pytree
 
 from . import _rows
 from ._axes import check_chunk_size
+from ._progress import Progress, check_progress
 from ._vmap import vmap
 
 __all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
@@ -210,6 +211,7 @@ class RowOperator(AbstractRowOperator):
         *,
         chunk_size: int,
         tags: object | Iterable[object] = (),
+        progress: Progress = None,
     ) -> None:
         """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
 
@@ -224,14 +226,17 @@ class RowOperator(AbstractRowOperator):
             in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
             chunk_size: number of rows computed at once (a positive int).
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
+            progress: as in :func:`chunkop.vmap`: every kernel (``mv``, ``T.mv``, their
+                derivatives) reports its chunks from inside the compiled loop.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
         chunk_size = check_chunk_size(chunk_size, allow_none=False, where="RowOperator")
         _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
+        progress = check_progress(progress, "RowOperator")
         self.spec, self.consts = _rows.make_spec(
-            row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size
+            row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
         )
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
