@@ -298,13 +298,14 @@ def run(
     fit_s: bool = True,
     figures: bool = True,
     rtol: float = 1e-5,
+    progress: bool = False,
 ) -> dict:
     """Run the example; returns the results dict (also written to ``out/results.json``)."""
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend()}
     timings, memory = {}, {}
     log(f"chunkop LOS example, size={size!r} (jax {jax.__version__}, {jax.default_backend()})")
     t = time.perf_counter()
-    P = los.make_problem(size, chunk=chunk)
+    P = los.make_problem(size, chunk=chunk, progress=progress or None)
     iters = P.iters if iters is None else iters
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
@@ -567,8 +568,15 @@ def main(argv=None) -> dict:
     p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5)")
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale fit")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument(
+        "--progress", action="store_true",
+        help="show a progress bar of chunks for every operator kernel call (useful at --size seed)",
+    )
     a = p.parse_args(argv)
-    return run(a.size, a.out, a.chunk, a.iters, fit_s=not a.no_fit_s, figures=not a.no_figures, rtol=a.rtol)
+    return run(
+        a.size, a.out, a.chunk, a.iters, fit_s=not a.no_fit_s, figures=not a.no_figures, rtol=a.rtol,
+        progress=a.progress,
+    )
 
 
 if __name__ == "__main__":
