@@ -1,6 +1,7 @@
 """chunkop: chunked, memory-bounded vmap and implicit chunked linear operators for JAX."""
 
 from . import _lineax  # noqa: F401  (registers RowOperator with lineax)
+from ._budget import BudgetPlan, plan
 from ._cache import clear_caches
 from ._checks import check_linear
 from ._gram import gram_diagonal
@@ -26,5 +27,7 @@ __all__ = [
     "gram_diagonal",
     "to_scipy",
     "clear_caches",
+    "plan",
+    "BudgetPlan",
     "__version__",
 ]

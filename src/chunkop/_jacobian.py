@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._axes import check_chunk_size
+from . import _budget
 from ._vmap import vmap
 
 __all__ = ["jacrev", "jacfwd"]
@@ -86,8 +86,9 @@ def jacrev(
     fun: Callable,
     argnums: int | Sequence[int] = 0,
     *,
-    chunk_size: int,
+    chunk_size: int | str,
     has_aux: bool = False,
+    memory_budget: int | None = None,
 ) -> Callable:
     """``jax.jacrev`` that pulls back ``chunk_size`` output basis vectors at a time.
 
@@ -95,8 +96,10 @@ def jacrev(
         fun: function of pytrees of float (or complex) arrays, returning a pytree of real
             float arrays (as for ``jax.jacrev``; complex outputs raise ``TypeError``).
         argnums: which positional argument(s) to differentiate (int or tuple of ints).
-        chunk_size: how many rows of the Jacobian are computed at once (a positive int).
+        chunk_size: how many rows of the Jacobian are computed at once (a positive int), or
+            ``"auto"`` to choose it from ``memory_budget``.
         has_aux: whether ``fun`` returns ``(output, aux)``.
+        memory_budget: bytes of temp memory for ``chunk_size="auto"`` (as in :func:`chunkop.vmap`).
 
     Returns:
         A function returning the Jacobian with ``jax.jacrev``'s structure (output tree of
@@ -110,7 +113,7 @@ def jacrev(
                [0., 0., 1.]], dtype=float32)
     """
     where = "chunkop.jacrev"
-    check_chunk_size(chunk_size, allow_none=False, where=where)
+    chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=where)
 
     @functools.wraps(fun)
     def jac(*args: Any, **kwargs: Any) -> Any:
@@ -123,7 +126,7 @@ def jacrev(
         flat_out, unravel = ravel_pytree(out)
         m = flat_out.size
         rows = vmap(
-            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)), chunk_size=chunk_size
+            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)), chunk_size=chunk_size, memory_budget=memory_budget
         )(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         blocks, offset = [], 0
@@ -145,8 +148,9 @@ def jacfwd(
     fun: Callable,
     argnums: int | Sequence[int] = 0,
     *,
-    chunk_size: int,
+    chunk_size: int | str,
     has_aux: bool = False,
+    memory_budget: int | None = None,
 ) -> Callable:
     """``jax.jacfwd`` that pushes ``chunk_size`` input basis vectors forward at a time.
 
@@ -154,8 +158,10 @@ def jacfwd(
         fun: function of pytrees of real float arrays (as for ``jax.jacfwd``; complex inputs
             raise ``TypeError``), returning a pytree of float arrays.
         argnums: which positional argument(s) to differentiate (int or tuple of ints).
-        chunk_size: how many columns of the Jacobian are computed at once (a positive int).
+        chunk_size: how many columns of the Jacobian are computed at once (a positive int), or
+            ``"auto"`` to choose it from ``memory_budget``.
         has_aux: whether ``fun`` returns ``(output, aux)``.
+        memory_budget: bytes of temp memory for ``chunk_size="auto"`` (as in :func:`chunkop.vmap`).
 
     Returns:
         A function returning the Jacobian with ``jax.jacfwd``'s structure, plus ``aux`` if asked.
@@ -168,7 +174,7 @@ def jacfwd(
                [0., 0., 4.]], dtype=float32)
     """
     where = "chunkop.jacfwd"
-    check_chunk_size(chunk_size, allow_none=False, where=where)
+    chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=where)
 
     @functools.wraps(fun)
     def jac(*args: Any, **kwargs: Any) -> Any:
@@ -180,7 +186,7 @@ def jacfwd(
         flat_in, unravel = ravel_pytree(dyn)
         n = flat_in.size
         cols = vmap(
-            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)), chunk_size=chunk_size
+            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)), chunk_size=chunk_size, memory_budget=memory_budget
         )(jnp.arange(n))  # output tree; leaves (n, *out_leaf_shape)
         in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
 

@@ -13,8 +13,7 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from . import _rows
-from ._axes import check_chunk_size
+from . import _budget, _rows, _sharding
 from ._progress import Progress, check_progress
 from ._vmap import vmap
 
@@ -158,9 +157,10 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
         """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``."""
         row0 = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.rows)
         per_row = jax.eval_shape(self.row_fn, row0, self.in_structure())
-        return jax.tree_util.tree_map(
+        structs = jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct((self.n_rows,) + tuple(s.shape), s.dtype), per_row
         )
+        return _sharding.with_sharding(structs, self, rows=True)  # Explicit-mesh row sharding
 
     def as_matrix(self) -> jax.Array:
         """The dense ``(out_size, in_size)`` matrix, materialised one chunk of rows at a time.
@@ -202,6 +202,8 @@ class RowOperator(AbstractRowOperator):
     consts: tuple
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
+    mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _sharding)
+    budget_plan: Any = eqx.field(static=True, default=None)  # chunk_size="auto": see chunkop.plan
 
     def __init__(
         self,
@@ -209,9 +211,10 @@ class RowOperator(AbstractRowOperator):
         rows: Any,
         in_structure: Any,
         *,
-        chunk_size: int,
+        chunk_size: int | str,
         tags: object | Iterable[object] = (),
         progress: Progress = None,
+        memory_budget: int | None = None,
     ) -> None:
         """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
 
@@ -224,20 +227,30 @@ class RowOperator(AbstractRowOperator):
                 operators with :func:`chunkop.check_linear`.)
             rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
             in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
-            chunk_size: number of rows computed at once (a positive int).
+            chunk_size: number of rows computed at once (a positive int), or ``"auto"``: the
+                largest chunk whose compiled temp memory (``mv``, ``T.mv`` and their VJPs)
+                fits ``memory_budget`` (see :func:`chunkop.plan`).
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
             progress: as in :func:`chunkop.vmap`: every kernel (``mv``, ``T.mv``, their
                 derivatives) reports its chunks from inside the compiled loop.
+            memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
+                device's free memory.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
-        chunk_size = check_chunk_size(chunk_size, allow_none=False, where="RowOperator")
-        _check_rows(rows)
+        chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where="RowOperator")
+        n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
         progress = check_progress(progress, "RowOperator")
-        self.spec, self.consts = _rows.make_spec(
-            row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
-        )
+        if chunk_size == "auto":
+            x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
+            self.budget_plan = _budget.plan_rows(row_fn, rows, x_struct, memory_budget)
+            chunk_size = self.budget_plan.chunk or n_rows
+        self.mesh_axes = _sharding.row_mesh(rows)
+        with _sharding.spec_context(rows):  # rows over devices: trace without a mesh context
+            self.spec, self.consts = _rows.make_spec(
+                row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
+            )
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 
@@ -257,14 +270,20 @@ class RowOperator(AbstractRowOperator):
 
     def in_structure(self) -> Any:
         """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
-        return self.spec.in_structure()
+        return _sharding.with_sharding(self.spec.in_structure(), self, rows=False)
 
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
+        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices
+            return _sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
         return _rows.apply(self.spec, self.consts, self.rows, vector)
 
     def apply_transpose(self, vector: Any) -> Any:
         """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
+        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
+            return _sharding.sharded_apply_transpose(
+                _rows.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes
+            )
         return _rows.apply_transpose(self.spec, self.consts, self.rows, vector)
 
 

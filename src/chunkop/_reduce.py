@@ -56,6 +56,7 @@ def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = Fals
 
 class _Summed(_Chunked):
     where = "chunkop.sum"
+    shard_kind = "sum"
     reduce = staticmethod(jnp.sum)
     _loop = staticmethod(sum_loop)
 
@@ -84,11 +85,14 @@ class _Summed(_Chunked):
 
 class _Averaged(_Summed):
     where = "chunkop.mean"
+    shard_kind = "mean"
     reduce = staticmethod(jnp.mean)
     _loop = staticmethod(functools.partial(sum_loop, divide=True))
 
 
-def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat, progress=None) -> Callable:
+def _make(
+    cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat, progress=None, memory_budget=None
+) -> Callable:
     return _wrap(
         fun,
         cls(
@@ -100,6 +104,7 @@ def _make(cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_s
             spmd_axis_name=None,
             remat=remat,
             progress=progress,
+            memory_budget=memory_budget,
         ),
     )
 
@@ -108,10 +113,11 @@ def sum(  # noqa: A001
     fun: Callable,
     in_axes: int | None | tuple | list = 0,
     *,
-    chunk_size: int | None,
+    chunk_size: int | str | None,
     axis_size: int | None = None,
     remat: Remat = True,
     progress: Progress = None,
+    memory_budget: int | None = None,
 ) -> Callable:
     """``lambda *a: jax.vmap(fun, in_axes)(*a)`` summed over the mapped axis, chunk by chunk.
 
@@ -124,10 +130,12 @@ def sum(  # noqa: A001
     Args:
         fun: function of one element; returns a pytree of arrays.
         in_axes: as in :func:`chunkop.vmap`.
-        chunk_size: the largest number of elements vectorised at once; None for no chunking.
+        chunk_size: the largest number of elements vectorised at once; None for no chunking;
+            ``"auto"`` to choose it from ``memory_budget`` (as in :func:`chunkop.vmap`).
         axis_size: size of the mapped axis when no argument is mapped.
         remat: as in :func:`chunkop.vmap`.
         progress: as in :func:`chunkop.vmap`.
+        memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
         A function returning the pytree of sums (each leaf with ``fun``'s per-element shape).
@@ -138,27 +146,30 @@ def sum(  # noqa: A001
         >>> jax.grad(loss)(jnp.ones(3), jnp.ones((10, 3)))
         Array([60., 60., 60.], dtype=float32)
     """
-    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress)
+    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget)
 
 
 def mean(
     fun: Callable,
     in_axes: int | None | tuple | list = 0,
     *,
-    chunk_size: int | None,
+    chunk_size: int | str | None,
     axis_size: int | None = None,
     remat: Remat = True,
     progress: Progress = None,
+    memory_budget: int | None = None,
 ) -> Callable:
     """Like :func:`chunkop.sum`, divided by the size of the mapped axis.
 
     Args:
         fun: function of one element; returns a pytree of arrays.
         in_axes: as in :func:`chunkop.vmap`.
-        chunk_size: the largest number of elements vectorised at once; None for no chunking.
+        chunk_size: the largest number of elements vectorised at once; None for no chunking;
+            ``"auto"`` to choose it from ``memory_budget`` (as in :func:`chunkop.vmap`).
         axis_size: size of the mapped axis when no argument is mapped.
         remat: as in :func:`chunkop.vmap`.
         progress: as in :func:`chunkop.vmap`.
+        memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
         A function returning the pytree of means.
@@ -168,4 +179,4 @@ def mean(
         >>> chunkop.mean(jnp.sin, chunk_size=4)(jnp.zeros(10))
         Array(0., dtype=float32)
     """
-    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress)
+    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget)

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 from ._axes import (
     check_axis_size,
-    check_chunk_size,
     check_in_axes_spec,
     check_out_axes_spec,
     check_remat,
@@ -20,6 +19,7 @@ from ._axes import (
     flat_out_axes,
     mapped_size,
 )
+from . import _budget, _sharding
 from ._cache import Uncacheable, cached, callable_key
 from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
 from ._progress import Progress, check_progress
@@ -136,6 +136,7 @@ class _Chunked(abc.ABC):
     """A ``fun`` mapped over an axis in chunks. Subclasses define how chunk outputs combine."""
 
     where = "chunkop.vmap"
+    shard_kind = "stack"  # how per-device results combine (see _sharding.call_sharded)
 
     def __init__(
         self,
@@ -148,12 +149,15 @@ class _Chunked(abc.ABC):
         spmd_axis_name: Any,
         remat: Remat,
         progress: Progress = None,
+        memory_budget: int | None = None,
     ) -> None:
         if not callable(fun):
             raise TypeError(f"{self.where}: `fun` must be callable, got {fun!r}.")
         self.fun = fun
         self.in_axes = check_in_axes_spec(in_axes, self.where)
-        self.chunk_size = check_chunk_size(chunk_size, where=self.where)
+        self.chunk_size = _budget.check_chunk_size_or_auto(chunk_size, where=self.where)
+        self.memory_budget = _budget.check_memory_budget(memory_budget, self.where)
+        self.last_plan: _budget.BudgetPlan | None = None  # set by chunk_size="auto" calls
         self.axis_name = axis_name
         self.axis_size = check_axis_size(axis_size, self.where)
         self.spmd_axis_name = spmd_axis_name
@@ -167,6 +171,11 @@ class _Chunked(abc.ABC):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
+        sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
+        if sharded is not None:  # each device chunks its own shard (see _sharding)
+            return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
+        if self.chunk_size == "auto":  # chunk from the memory budget (see _budget), then as below
+            return _budget.call_auto(self, args, kwargs, leaves, treedef, axes, n)
         if self.chunk_size is None or n <= self.chunk_size:
             return self._unchunked(args, kwargs)
         traced = trace_example(
@@ -297,6 +306,7 @@ def vmap(
     spmd_axis_name: Any = None,
     remat: Remat = True,
     progress: Progress = None,
+    memory_budget: int | None = None,
 ) -> Callable:
     """``jax.vmap`` that computes the mapped axis in sequential chunks of at most ``chunk_size``.
 
@@ -330,7 +340,11 @@ def vmap(
             prefix pytree of that argument with int (negative allowed) or None leaves.
         out_axes: prefix pytree of the output with int or None leaves; None for outputs that do
             not vary over the mapped axis (an error, as in ``jax.vmap``, if they do).
-        chunk_size: the largest number of elements vectorised at once; None for no chunking.
+        chunk_size: the largest number of elements vectorised at once; None for no chunking;
+            ``"auto"`` for the largest chunk whose compiled temp memory (forward and VJP;
+            also the Hessian-vector product when called under two ``jvp`` levels) fits
+            ``memory_budget``, found from XLA's memory analysis once per call signature
+            (no chunking when the whole axis fits). See ``docs/scaling.md``.
         axis_name: name of the mapped axis, for collectives (see above).
         axis_size: size of the mapped axis; needed only when no argument is mapped.
         spmd_axis_name: passed to the per-chunk ``jax.vmap``.
@@ -343,6 +357,8 @@ def vmap(
             remainder counts as one; under ``vmap`` it may be called repeatedly with the same
             ``k``; reports are asynchronous, ``jax.effects_barrier()`` waits for them). None or
             False (default): nothing is added to the program. No report when not chunking.
+        memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
+            device's free memory (``chunkop._budget.default_budget``).
 
     Returns:
         A function with ``fun``'s signature whose outputs have the mapped axis at ``out_axes``.
@@ -365,6 +381,7 @@ def vmap(
             spmd_axis_name=spmd_axis_name,
             remat=remat,
             progress=progress,
+            memory_budget=memory_budget,
         ),
     )
 
@@ -377,7 +394,10 @@ class _Mapped(_VMapped):
         return flat_in_axes(self.in_axes, args, kwargs, self.where, arg_names=("xs",))
 
 
-def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True, progress: Progress = None) -> Any:  # noqa: A001
+def map(  # noqa: A001
+    f: Callable, xs: Any, *, chunk_size: int | str, remat: Remat = True, progress: Progress = None,
+    memory_budget: int | None = None,
+) -> Any:
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
 
     Like ``jax.lax.map(f, xs, batch_size=chunk_size)``, but each chunk is rematerialised in
@@ -388,9 +408,11 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True, progress:
     Args:
         f: function of one slice of ``xs``.
         xs: pytree of arrays sharing a leading axis.
-        chunk_size: the number of slices vectorised at once (a positive int).
+        chunk_size: the number of slices vectorised at once (a positive int), or ``"auto"``
+            (as in :func:`chunkop.vmap`).
         remat: as in :func:`chunkop.vmap`.
         progress: as in :func:`chunkop.vmap`.
+        memory_budget: as in :func:`chunkop.vmap`.
 
     Returns:
         The stacked outputs of ``f``, leading axis ``xs``'s leading axis.
@@ -400,9 +422,9 @@ def map(f: Callable, xs: Any, *, chunk_size: int, remat: Remat = True, progress:
         >>> chunkop.map(lambda x: x.sum(), jnp.ones((7, 3)), chunk_size=2)
         Array([3., 3., 3., 3., 3., 3., 3.], dtype=float32)
     """
-    chunk_size = check_chunk_size(chunk_size, allow_none=False, where=_Mapped.where)
+    chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=_Mapped.where)
     mapped = _Mapped(
         f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat,
-        progress=progress,
+        progress=progress, memory_budget=memory_budget,
     )
     return mapped(xs)

@@ -1,0 +1,656 @@
+"""``chunk_size="auto"``: the largest chunk whose compiled temp memory fits a memory budget.
+
+The planner never guesses memory from shapes: it asks XLA. Given a callable
+``temp_bytes(chunk) -> int`` that compiles the chunked program at ``chunk`` and returns its
+``memory_analysis().temp_size_in_bytes``, :func:`choose_chunk`
+
+1. compiles the whole axis unchunked (``chunk = n``); if it fits, there is no chunking at all;
+2. otherwise compiles at two chunk sizes and fits an affine model ``a + b * chunk`` (above a
+   small floor, a chunked program's temp memory is one chunk's intermediates plus
+   chunk-independent buffers);
+3. compiles the largest chunk the model allows (preferring chunks that leave no or a small
+   remainder) and, while the answer is not settled, brackets between the largest chunk that
+   fitted and the smallest that did not, interpolating linearly; the largest compiled chunk
+   within the budget wins.
+
+The temp memory counted is XLA's temporary buffers (intermediates, scan carries, residuals):
+not the arguments and outputs, which exist whatever the chunk. The budget is compared with the
+*worst* of the transforms the program may be run under (see :func:`program_temp_bytes`): the
+forward program and its VJP (what ``jax.grad`` of a loss built on it compiles), since a wrapper
+called inside a user's ``jax.grad`` cannot always know, when it plans, which transform will be
+applied; and also the Hessian-vector product when the arguments arrive traced under two
+forward-mode levels (:func:`plan_mode`).
+
+The default budget (:func:`default_budget`) is ``DEFAULT_FRACTION`` of the device's free
+memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on accelerators, and
+``MemAvailable`` from ``/proc/meminfo`` on CPU. On CPU the search also aims no higher than
+:data:`CPU_TEMP_CAP` (cache-sized chunks are faster there).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "DEFAULT_FRACTION",
+    "MODES",
+    "BudgetPlan",
+    "choose_chunk",
+    "default_budget",
+    "check_memory_budget",
+    "check_mode",
+    "program_temp_bytes",
+]
+
+#: Fraction of the free device memory used as the default budget for temp buffers.
+DEFAULT_FRACTION = 0.5
+
+#: The transforms a plan can cover: the forward program only, the worst of forward and VJP
+#: (default; what ``jax.grad`` compiles), or those and a Hessian-vector product.
+MODES = ("forward", "grad", "hvp")
+
+#: On CPU, chunking is also a throughput optimisation: chunks whose working set stays near the
+#: caches run faster than one large vectorised pass (measured, benchmarks/RESULTS.md: a 4-layer
+#: MLP's grad at N = 65536 ran 1.27x faster than jax.vmap at chunk 1024, 4.8 MiB of temp, and
+#: 1.20x at chunk 4096, 17.5 MiB). So on CPU the planner aims at ``min(budget, CPU_TEMP_CAP)``.
+#: Accelerators get no cap: the largest chunk within the budget.
+CPU_TEMP_CAP = 16 * 2**20
+
+_MAX_VERIFY = 6  # compiles after the two probes before falling back to halving
+
+
+class BudgetPlan(NamedTuple):
+    """The chunk chosen for a memory budget, and the measurements behind it.
+
+    Attributes:
+        chunk: the chosen chunk size, or None when the whole axis fits (no chunking).
+        size: the size of the mapped axis.
+        budget: the budget in bytes the chunk was chosen for.
+        mode: the transforms planned for (``"forward"``, ``"grad"`` or ``"hvp"``).
+        predicted_bytes: the temp memory the affine model predicted at ``chunk`` (None when no
+            model was needed, i.e. the unchunked program fits).
+        compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``.
+        probes: every ``(chunk, temp_bytes)`` compiled while planning, in order.
+        cap: the throughput cap the search aimed at, if any (:data:`CPU_TEMP_CAP` on CPU).
+
+    Example:
+        >>> import jax.numpy as jnp, chunkop
+        >>> f = chunkop.sum(lambda x: jnp.sin(x) ** 2, chunk_size="auto", memory_budget=2**30)
+        >>> plan = chunkop.plan(f, jnp.zeros(1000))
+        >>> plan.chunk, plan.size, plan.compiled_bytes <= plan.budget
+        (None, 1000, True)
+    """
+
+    chunk: int | None
+    size: int
+    budget: int
+    mode: str
+    predicted_bytes: int | None
+    compiled_bytes: int
+    probes: tuple
+    cap: int | None = None
+
+    def __repr__(self) -> str:
+        mib = lambda b: "None" if b is None else f"{b / 2**20:.2f} MiB"  # noqa: E731
+        return (
+            f"BudgetPlan(chunk={self.chunk}, size={self.size}, budget={mib(self.budget)}, "
+            f"mode={self.mode!r}, cap={mib(self.cap)}, predicted={mib(self.predicted_bytes)}, "
+            f"compiled={mib(self.compiled_bytes)}, probes={len(self.probes)})"
+        )
+
+
+def check_memory_budget(memory_budget: Any, where: str = "chunkop") -> int | None:
+    """Validate ``memory_budget``: None (the default budget) or a positive number of bytes."""
+    if memory_budget is None:
+        return None
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float, np.integer, np.floating)):
+        raise TypeError(
+            f"{where}: `memory_budget` must be a positive number of bytes or None, got "
+            f"{memory_budget!r} of type {type(memory_budget).__name__}."
+        )
+    if not math.isfinite(memory_budget) or memory_budget <= 0:
+        raise ValueError(f"{where}: `memory_budget` must be a positive number of bytes, got {memory_budget!r}.")
+    return int(memory_budget)
+
+
+def check_mode(mode: Any, where: str = "chunkop") -> str:
+    """Validate the ``mode`` a plan covers (one of :data:`MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"{where}: `mode` must be one of {MODES}, got {mode!r}.")
+    return mode
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def free_memory(device: Any = None) -> int:
+    """Free memory of ``device`` (default: the first local device), in bytes.
+
+    Args:
+        device: a ``jax.Device``; None for ``jax.local_devices()[0]``.
+
+    Returns:
+        ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` when the backend reports
+        them (GPU, TPU); otherwise (CPU) the available RAM (``MemAvailable`` in
+        ``/proc/meminfo``, or the physical memory from ``os.sysconf``).
+    """
+    device = jax.local_devices()[0] if device is None else device
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001  (backends without memory stats raise or return None)
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return max(0, int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
+    available = _meminfo_available()
+    if available is not None:
+        return available
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 2**30
+
+
+def throughput_cap(device: Any = None) -> int | None:
+    """:data:`CPU_TEMP_CAP` on a CPU device, None elsewhere (see the constant's note)."""
+    device = jax.local_devices()[0] if device is None else device
+    return CPU_TEMP_CAP if device.platform == "cpu" else None
+
+
+def default_budget(device: Any = None) -> int:
+    """The default memory budget: ``DEFAULT_FRACTION`` (0.5) of :func:`free_memory`.
+
+    Args:
+        device: a ``jax.Device``; None for the first local device.
+
+    Returns:
+        The budget in bytes.
+
+    Example:
+        >>> from chunkop._budget import default_budget, free_memory
+        >>> 0 < default_budget() <= free_memory()
+        True
+    """
+    return max(1, int(DEFAULT_FRACTION * free_memory(device)))
+
+
+def choose_chunk(
+    temp_bytes: Callable[[int], int], n: int, budget: int, *, mode: str = "grad", cap: int | None = None
+) -> BudgetPlan:
+    """The largest chunk of an axis of ``n`` whose compiled temp memory is within ``budget``.
+
+    Args:
+        temp_bytes: ``temp_bytes(chunk) -> int``, the compiled temp memory (bytes) of the
+            program at ``chunk`` (``chunk == n`` meaning unchunked). It is called a few times
+            (one compile each): once at ``n``, and if that is over the budget at two probe
+            chunks and at each candidate.
+        n: the size of the mapped axis (positive).
+        budget: the budget in bytes.
+        mode: recorded in the plan (what ``temp_bytes`` measures).
+        cap: a throughput cap (bytes, or None): the search aims at ``min(budget, cap)``; when
+            no chunk fits the cap, the least-memory chunk found within ``budget`` is taken.
+
+    Returns:
+        A :class:`BudgetPlan`; ``plan.chunk`` is None when the whole axis fits.
+
+    Raises:
+        ValueError: when even ``chunk=1`` is over the budget (the message gives its memory).
+
+    Example:
+        >>> from chunkop._budget import choose_chunk
+        >>> plan = choose_chunk(lambda c: 1000 + 8 * c, n=10_000, budget=41_000)
+        >>> plan.chunk, plan.compiled_bytes <= 41_000
+        (5000, True)
+    """
+    if n <= 0:
+        raise ValueError(f"choose_chunk: the axis size must be positive, got {n}.")
+    probes: list[tuple[int, int]] = []
+    measured: dict[int, int] = {}
+
+    def measure(c: int) -> int:
+        if c not in measured:
+            measured[c] = int(temp_bytes(c))
+            probes.append((c, measured[c]))
+        return measured[c]
+
+    def plan(c: int | None, predicted: int | None, compiled: int) -> BudgetPlan:
+        return BudgetPlan(c, n, int(user_budget), mode, predicted, compiled, tuple(probes), cap)
+
+    user_budget, budget = budget, budget if cap is None else min(budget, cap)
+
+    whole = measure(n)
+    if whole <= budget or (n == 1 and whole <= user_budget):
+        return plan(None, None, whole)
+    if n == 1:
+        raise _too_small(user_budget, n, (1, whole), mode)
+
+    # Two probes well inside the axis, then a bracketing search: linear interpolation between the
+    # largest chunk within the budget and the smallest over it (extrapolation while one is missing).
+    c1 = max(1, min(n // 16, 256))
+    c2 = max(c1 + 1, min(n // 2, 4 * c1))
+    measure(c1)
+    measure(c2)
+    predictions: dict[int, int] = {}  # the model's prediction at each candidate, before compiling it
+    for _ in range(_MAX_VERIFY):
+        inside = sorted((c, b) for c, b in measured.items() if b <= budget and c < n)
+        over = sorted((c, b) for c, b in measured.items() if b > budget and (not inside or c > inside[-1][0]))
+        if inside and over:
+            (ca, ba), (cb, bb) = inside[-1], over[0]
+            if cb - ca <= max(1, ca // 20):
+                break
+        elif inside:
+            (ca, ba), (cb, bb) = inside[-2:] if len(inside) > 1 else (inside[-1], inside[-1])
+        else:
+            (ca, ba), (cb, bb) = over[:2] if len(over) > 1 else (over[0], over[0])
+        slope = (bb - ba) / (cb - ca) if cb != ca else 0.0
+        target = n - 1 if slope <= 0 else int(math.floor(ca + (budget - ba) / slope))
+        low = inside[-1][0] if inside else 0
+        if low >= max(1, n // 2):
+            break
+        high = over[0][0] if (inside and over) else n
+        # chunks above n / 2 leave one full chunk and a remainder of nearly the same size: no saving
+        target = max(low + 1, min(target, high - 1, max(1, n // 2)))
+        c = _candidate(n, target, low)
+        if c in measured:
+            break
+        predictions[c] = int(round(ba + slope * (c - ca)))
+        b = measure(c)
+        if b <= budget and b >= 0.9 * budget:
+            break
+
+    inside = sorted((c, b) for c, b in measured.items() if b <= budget and c < n)
+    if not inside:  # every model step was over the budget: halve from the smallest chunk tried
+        c = min(measured)
+        while c > 1:
+            previous = measured[c]
+            c = max(1, c // 2)
+            if measure(c) <= budget:
+                inside = [(c, measured[c])]
+                break
+            if measured[c] >= previous:  # smaller chunks stopped saving memory (per-step costs)
+                break
+        least = min(measured.items(), key=lambda kv: kv[1])
+        if not inside and least[1] <= user_budget and least[0] < n:  # over the cap only
+            inside = [least]
+        if not inside:
+            raise _too_small(user_budget, n, least, mode)
+    c, b = inside[-1]
+    return plan(c, predictions.get(c), b)
+
+
+def _candidate(n: int, target: int, low: int) -> int:
+    """A chunk in ``(low, target]`` for an axis of ``n``.
+
+    The largest chunk of at least ``target / 2`` whose remainder ``n % chunk`` is at most an
+    eighth of it (a divisor of ``n`` is best): XLA does not always share the remainder chunk's
+    buffers with the scan's, so a large remainder can add up to a chunk's worth of temp memory
+    (measured: chunk 4615 of 8192, remainder 3577, 40.5 MiB vs 24.3 MiB at chunk 4096).
+    Otherwise ``target`` itself.
+    """
+    floor = max(low + 1, (target + 1) // 2)
+    for c in range(target, floor - 1, -1):
+        if n % c <= c // 8:
+            return c
+    return target
+
+
+def _too_small(budget: int, n: int, smallest: tuple[int, int], mode: str) -> ValueError:
+    return ValueError(
+        f"chunkop: `memory_budget`={budget} bytes is too small: the least temp memory found "
+        f"was {smallest[1]} bytes, at chunk_size={smallest[0]} (mode={mode!r}, axis size {n}). "
+        f"Give a larger memory_budget or an explicit chunk_size."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring a program's temp memory under the transforms it may be run with.
+
+
+def _struct(x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    aval = jax.typeof(x) if isinstance(x, jax.Array) else None
+    if aval is not None:
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    x = np.asarray(x) if not hasattr(x, "dtype") else x
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def _compiled_temp(fn: Callable, *structs: Any) -> int:
+    return int(jax.jit(fn).lower(*structs).compile().memory_analysis().temp_size_in_bytes)
+
+
+def _is_float(s: Any) -> bool:
+    return jnp.issubdtype(s.dtype, jnp.inexact)
+
+
+def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") -> int:
+    """Compiled temp memory of ``fn(*leaves)`` under ``mode``'s transforms (the worst of them).
+
+    ``leaves`` may be arrays, tracers or ``jax.ShapeDtypeStruct``: only shapes and dtypes are
+    used; nothing runs. The programs compiled, all w.r.t. every float leaf:
+
+    - ``"forward"``: ``fn`` itself;
+    - ``"grad"``: also ``jax.vjp`` of ``fn`` (forward, residuals and backward pass), which is
+      what ``jax.grad`` of a loss built on ``fn`` compiles;
+    - ``"hvp"``: also the forward-over-reverse Hessian-vector product of ``<fn(x), 1>``.
+
+    Args:
+        fn: a function of ``len(leaves)`` positional arrays returning a pytree of arrays.
+        leaves: example arguments (only their shapes/dtypes matter).
+        mode: one of ``"forward"``, ``"grad"``, ``"hvp"``.
+
+    Returns:
+        The largest ``temp_size_in_bytes`` among the compiled programs.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from chunkop._budget import program_temp_bytes
+        >>> f = lambda x: jnp.sin(x) * 2
+        >>> program_temp_bytes(f, [jax.ShapeDtypeStruct((1000,), jnp.float32)], "forward") >= 0
+        True
+    """
+    check_mode(mode)
+    structs = [_struct(x) for x in leaves]
+    worst = _compiled_temp(fn, *structs)
+    if mode == "forward":
+        return worst
+    diff = [i for i, s in enumerate(structs) if _is_float(s)]
+    if not diff:
+        return worst
+
+    out = jax.eval_shape(fn, *structs)
+    if not any(_is_float(o) for o in jax.tree_util.tree_leaves(out)):
+        return worst
+
+    def loss(dargs: list, rest: list) -> jax.Array:
+        full = list(rest)
+        for i, a in zip(diff, dargs):
+            full[i] = a
+        outs = jax.tree_util.tree_leaves(fn(*full))
+        # a fixed linear functional of the outputs: the VJP's cotangent is the weight vector
+        return sum(jnp.vdot(jnp.full(o.shape, 0.5, o.dtype), o).real for o in outs if _is_float(o))
+
+    def vjp_program(dargs: list, rest: list, cts: Any) -> Any:
+        def g(d: list) -> Any:
+            full = list(rest)
+            for i, a in zip(diff, d):
+                full[i] = a
+            return fn(*full)
+
+        _, pullback = jax.vjp(g, dargs)
+        return pullback(cts)
+
+    dstructs = [structs[i] for i in diff]
+    rest = list(structs)
+    cts = jax.tree_util.tree_map(
+        lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype if _is_float(o) else jax.dtypes.float0), out
+    )
+    if all(_is_float(o) for o in jax.tree_util.tree_leaves(out)):
+        worst = max(worst, _compiled_temp(vjp_program, dstructs, rest, cts))
+    else:
+        worst = max(worst, _compiled_temp(lambda d, r: jax.grad(loss)(d, r), dstructs, rest))
+    if mode == "hvp":
+
+        def hvp(d: list, r: list, t: list) -> Any:
+            return jax.jvp(lambda dd: jax.grad(loss)(dd, r), (d,), (t,))[1]
+
+        worst = max(worst, _compiled_temp(hvp, dstructs, rest, dstructs))
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans for wrapped functions, cached per call signature.
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, float, complex)) or (
+        isinstance(x, int) and not isinstance(x, bool)
+    )
+
+
+def call_temp_bytes(
+    call_at_chunk: Callable[[int], Callable], args: tuple, kwargs: dict, mode: str
+) -> Callable[[int], int]:
+    """``chunk -> compiled temp bytes`` of ``call_at_chunk(chunk)(*args, **kwargs)`` under ``mode``.
+
+    Array leaves of ``args``/``kwargs`` (and Python scalars) become arguments of the compiled
+    program (only their shapes and dtypes are used); other leaves are kept as they are.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dyn = [i for i, x in enumerate(leaves) if _is_array_like(x)]
+    structs = [_struct(leaves[i]) for i in dyn]
+
+    def temp_bytes(chunk: int) -> int:
+        fn = call_at_chunk(chunk)
+
+        def flat(*d: Any) -> Any:
+            full = list(leaves)
+            for i, v in zip(dyn, d):
+                full[i] = v
+            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            return fn(*a, **k)
+
+        return program_temp_bytes(flat, structs, mode)
+
+    return temp_bytes
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 512
+
+
+def cached_plan(key: Any, compute: Callable[[], BudgetPlan]) -> BudgetPlan:
+    """The plan cached under ``key`` (hashable), computed by ``compute()`` on first use."""
+    try:
+        hash(key)
+    except TypeError:
+        return compute()
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = compute()
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_size="auto" on the chunked transforms (chunkop.vmap / map / sum / mean / jacrev / jacfwd).
+
+
+def check_chunk_size_or_auto(chunk_size: Any, *, allow_none: bool = True, where: str = "chunkop") -> Any:
+    """``"auto"``, or a chunk size as validated by :func:`chunkop._axes.check_chunk_size`."""
+    if isinstance(chunk_size, str):
+        if chunk_size == "auto":
+            return "auto"
+        raise TypeError(
+            f"{where}: `chunk_size` must be a positive int, {'None, ' if allow_none else ''}or "
+            f"\"auto\", got {chunk_size!r} of type str."
+        )
+    from ._axes import check_chunk_size
+
+    return check_chunk_size(chunk_size, allow_none=allow_none, where=where)
+
+
+def transform_depth(leaves: Sequence[Any]) -> int:
+    """How many forward-mode levels (``jvp``/``linearize``, as ``grad`` and ``hvp`` use) the
+    arguments are traced under: 0 outside any, 1 under ``grad``, 2 under ``jvp(grad)``."""
+    depth = 0
+    for x in leaves:
+        d = 0
+        while type(x).__name__ in ("JVPTracer", "LinearizeTracer"):
+            d += 1
+            x = getattr(x, "primal", None)
+        depth = max(depth, d)
+    return depth
+
+
+def plan_mode(leaves: Sequence[Any]) -> str:
+    """The transforms to plan for: ``"grad"`` (forward and VJP: the default, since a
+    ``jax.grad`` applied around an enclosing ``jax.jit`` is not visible at trace time), or
+    ``"hvp"`` when the arguments are traced under two forward-mode levels."""
+    return "hvp" if transform_depth(leaves) >= 2 else "grad"
+
+
+def _at_chunk(wrapper: Any, chunk: int | None) -> Any:
+    clone = copy.copy(wrapper)
+    clone.chunk_size = chunk
+    return clone
+
+
+def _wrapper_key(wrapper: Any, traced_key: Any, leaves: list, axes: list, n: int, budget: int, mode: str) -> Any:
+    from ._cache import Uncacheable, callable_key
+
+    remat = wrapper.remat
+    try:
+        remat = remat if isinstance(remat, bool) else callable_key(remat)
+    except Uncacheable:
+        return None
+    shapes = tuple(
+        (tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) if isinstance(x, jax.Array) else type(x).__name__
+        for x in leaves
+    )
+    return (
+        "auto", type(wrapper).__name__, traced_key, shapes, tuple(axes), n, budget, mode, remat,
+        getattr(wrapper, "out_axes", None), wrapper.spmd_axis_name,
+    )
+
+
+def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> BudgetPlan:
+    """The (cached) plan of an ``"auto"`` wrapper for this call's signature."""
+    from ._trace import trace_example
+
+    budget = wrapper.memory_budget if wrapper.memory_budget is not None else default_budget()
+    mode = plan_mode(leaves)
+    if n <= 1:
+        return BudgetPlan(None, n, budget, mode, None, 0, ())
+    try:
+        traced = trace_example(
+            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name, chunk_size=n - 1,
+            remat=wrapper.remat, where=wrapper.where,
+        )
+    except ValueError:
+        if wrapper.axis_name is None:
+            raise
+        # a collective over axis_name: chunks would each see part of the axis; run unchunked
+        return BudgetPlan(None, n, budget, mode, None, 0, ())
+    key = None if traced.key is None else _wrapper_key(wrapper, traced.key, leaves, axes, n, budget, mode)
+
+    def compute() -> BudgetPlan:
+        temp = call_temp_bytes(lambda c: _at_chunk(wrapper, None if c >= n else c), args, kwargs, mode)
+        return choose_chunk(temp, n, budget, mode=mode, cap=throughput_cap())
+
+    return compute() if key is None else cached_plan(key, compute)
+
+
+def call_auto(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> Any:
+    """Run an ``"auto"`` wrapper: plan (cached), record the plan on the wrapper, call at that chunk."""
+    plan = plan_call(wrapper, args, kwargs, leaves, treedef, axes, n)
+    wrapper.last_plan = plan
+    return _at_chunk(wrapper, plan.chunk)(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# chunk_size="auto" on RowOperator, and chunkop.plan.
+
+
+def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int | None) -> BudgetPlan:
+    """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
+
+    Plans for the worst of ``mv`` and ``T.mv`` and their VJPs (w.r.t. ``x``/``y``, the float
+    leaves of ``rows`` and the arrays ``row_fn`` closes over), compiled at each candidate chunk.
+    With rows sharded over devices, the chunk is planned for one device's shard.
+    """
+    from . import _rows, _sharding
+
+    budget = check_memory_budget(memory_budget, "RowOperator")
+    budget = budget if budget is not None else default_budget()
+    row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
+    n = int(row_leaves[0].shape[0])
+    mesh_axes = _sharding.row_mesh(rows)
+    if mesh_axes is not None and n % mesh_axes.n_shards == 0:
+        n //= mesh_axes.n_shards
+    row_structs = [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
+    local_rows = jax.tree_util.tree_unflatten(row_tree, row_structs)
+    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
+
+    def temp_bytes(chunk: int) -> int:
+        spec, consts = _rows.make_spec(row_fn, local_rows, in_structure, chunk)
+        k, r = len(consts), len(row_structs)
+
+        def mv(*flat: Any) -> Any:
+            rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+            return _rows.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
+
+        y_leaves, y_tree = jax.tree_util.tree_flatten(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
+
+        def tmv(*flat: Any) -> Any:
+            rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+            return _rows.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
+
+        return max(
+            program_temp_bytes(mv, [*consts, *row_structs, *x_leaves], "grad"),
+            program_temp_bytes(tmv, [*consts, *row_structs, *y_leaves], "grad"),
+        )
+
+    return choose_chunk(temp_bytes, n, budget, mode="grad", cap=throughput_cap())
+
+
+def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
+    """The memory plan of a ``chunk_size="auto"`` transform for these arguments (nothing runs).
+
+    Args:
+        f: a function made by ``chunkop.vmap`` / ``sum`` / ``mean`` (or ``chunkop.map``'s
+            wrapper) with ``chunk_size="auto"``, or a ``chunkop.RowOperator`` (or its transpose)
+            built with ``chunk_size="auto"``.
+        *args, **kwargs: the arguments ``f`` would be called with (only their shapes and
+            dtypes are used: they may be tracers); not needed for an operator.
+
+    Returns:
+        The :class:`BudgetPlan`: ``chunk`` (None: no chunking), ``budget``, ``mode``,
+        ``predicted_bytes``, ``compiled_bytes`` and the ``probes`` compiled. Plans are cached per
+        call signature, so calling ``f`` with the same arguments then plans nothing.
+
+    Raises:
+        TypeError: when ``f`` is not an ``"auto"`` chunked transform or operator.
+
+    Example:
+        >>> import jax.numpy as jnp, chunkop
+        >>> f = chunkop.vmap(jnp.sin, chunk_size="auto", memory_budget=2**30)
+        >>> chunkop.plan(f, jnp.zeros(1000)).chunk is None  # the whole axis fits: no chunking
+        True
+    """
+    from ._axes import mapped_size
+
+    target = getattr(f, "operator", f)
+    if hasattr(target, "budget_plan") and hasattr(target, "rows"):
+        if target.budget_plan is None:
+            raise TypeError("chunkop.plan: this RowOperator was not built with chunk_size=\"auto\".")
+        return target.budget_plan
+    if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "_flat_arguments"):
+        raise TypeError(
+            f"chunkop.plan: expected a chunkop transform made with chunk_size=\"auto\" (or such a "
+            f"RowOperator), got {f!r}."
+        )
+    leaves, treedef, axes, paths = f._flat_arguments(args, kwargs)
+    n = mapped_size(leaves, axes, paths, f.axis_size, f.where)
+    result = plan_call(f, args, kwargs, leaves, treedef, axes, n)
+    f.last_plan = result
+    return result

@@ -1,0 +1,430 @@
+"""Inputs sharded along the mapped axis: each device chunks its own shard.
+
+When a mapped argument of ``chunkop.vmap`` / ``map`` / ``sum`` / ``mean`` is sharded along its
+mapped axis over mesh axes ``names`` (a ``NamedSharding`` on a concrete array, on an Auto or an
+Explicit mesh; or, under ``jax.jit``, the sharding in the argument's type on an Explicit mesh),
+the chunked function is run inside a ``jax.shard_map`` over those mesh axes: every device
+maps its local shard chunk by chunk, and
+
+- stacked outputs come back sharded along the mapped axis the same way (``out_axes``);
+- outputs with ``out_axes=None`` are replicated (as in ``jax.vmap`` they must not vary);
+- ``chunkop.sum`` / ``mean`` add (``psum``) / average (``pmean``) the per-device results: one
+  all-reduce per call, and no all-gather of the inputs.
+
+Unmapped arguments are passed replicated. Under ``jax.jit`` on an Auto mesh the argument types
+carry no sharding, so there is nothing to detect: use an Explicit mesh (``jax.make_mesh``'s
+default) or call outside ``jit`` with sharded arrays.
+
+The same module holds the row-sharded kernels of :class:`chunkop.RowOperator`
+(:func:`row_mesh`, :func:`sharded_apply`, :func:`sharded_apply_transpose`): rows sharded along
+their leading axis give ``mv`` rows sharded the same way, and ``T.mv`` sums the devices'
+x-space results with one ``psum``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._axes import flat_out_axes
+
+__all__ = [
+    "MeshAxes",
+    "mapped_mesh_axes",
+    "call_sharded",
+    "row_mesh",
+    "operator_mesh",
+    "spec_context",
+    "with_sharding",
+    "sharded_apply",
+    "sharded_apply_transpose",
+]
+
+
+class MeshAxes(NamedTuple):
+    """A mesh and the names of its axes that an array's mapped axis is sharded over."""
+
+    mesh: Any  # jax.sharding.Mesh or AbstractMesh
+    names: tuple
+
+    @property
+    def n_shards(self) -> int:
+        return math.prod(int(self.mesh.shape[a]) for a in self.names)
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def _inside_local():
+    """While tracing a device-local body: no further sharding dispatch (the shards are local)."""
+    prev = getattr(_LOCAL, "active", False)
+    _LOCAL.active = True
+    try:
+        yield
+    finally:
+        _LOCAL.active = prev
+
+
+def _sharding_of(x: Any) -> NamedSharding | None:
+    if isinstance(x, jax.core.Tracer):
+        try:
+            s = jax.typeof(x).sharding
+        except Exception:  # noqa: BLE001
+            return None
+    elif isinstance(x, jax.Array):
+        try:
+            s = x.sharding
+        except Exception:  # noqa: BLE001  (deleted / donated arrays)
+            return None
+    else:
+        return None
+    return s if isinstance(s, NamedSharding) else None
+
+
+def _names_at(s: NamedSharding, axis: int) -> tuple:
+    spec = tuple(s.spec)
+    entry = spec[axis] if axis < len(spec) else None
+    if entry is None:
+        return ()
+    names = entry if isinstance(entry, tuple) else (entry,)
+    manual = set(getattr(s.mesh, "manual_axes", ()) or ())
+    return tuple(a for a in names if a not in manual)
+
+
+def mapped_mesh_axes(
+    leaves: Sequence[Any], axes: Sequence[int | None], where: str, spmd_axis_name: Any = None
+) -> MeshAxes | None:
+    """The mesh axes the mapped axis is sharded over, or None when no mapped input is sharded.
+
+    Found from the mapped inputs' ``NamedSharding`` (concrete arrays; or traced ones on an
+    Explicit mesh). Failing that, ``spmd_axis_name`` names them, when the current mesh
+    (``jax.set_mesh``) has those axes: this is how an Auto mesh under ``jax.jit`` (where traced
+    values carry no sharding) asks for device-local chunking.
+
+    Args:
+        leaves: the flat arguments.
+        axes: their mapped axes (None: not mapped).
+        where: the calling transform, for error messages.
+        spmd_axis_name: the transform's ``spmd_axis_name`` (a mesh axis name or tuple of them).
+
+    Returns:
+        A :class:`MeshAxes`, or None (also inside a device-local body: no nested dispatch).
+
+    Raises:
+        ValueError: when mapped inputs are sharded over different mesh axes or meshes.
+    """
+    if getattr(_LOCAL, "active", False):
+        return None
+    found: MeshAxes | None = None
+    for i, (x, a) in enumerate(zip(leaves, axes)):
+        if a is None:
+            continue
+        s = _sharding_of(x)
+        if s is None:
+            continue
+        names = _names_at(s, a)
+        if not names:
+            continue
+        here = MeshAxes(s.mesh, names)
+        if found is None:
+            found = here
+        elif here.names != found.names or here.mesh.shape != found.mesh.shape:
+            raise ValueError(
+                f"{where}: mapped arguments are sharded differently along the mapped axis: "
+                f"mesh axes {found.names} and {here.names}; shard them the same way (or reshard "
+                f"with jax.device_put / jax.sharding.reshard)."
+            )
+    if found is None and spmd_axis_name is not None and any(a is not None for a in axes):
+        names = tuple(spmd_axis_name) if isinstance(spmd_axis_name, (tuple, list)) else (spmd_axis_name,)
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = set(getattr(mesh, "manual_axes", ()) or ())
+        if not mesh.empty and all(a in mesh.axis_names and a not in manual for a in names):
+            found = MeshAxes(mesh, names)
+    return found
+
+
+def _spec_at(axis: int, names: tuple) -> P:
+    return P(*([None] * axis), names if len(names) > 1 else names[0])
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, jax.Array) or hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def call_sharded(
+    wrapper: Any,
+    kind: str,
+    leaves: list,
+    treedef: Any,
+    axes: list,
+    n: int,
+    mesh_axes: MeshAxes,
+) -> Any:
+    """Run ``wrapper`` (a chunked transform) on each device's shard of the mapped axis.
+
+    Args:
+        wrapper: the chunked callable; called on the local shards inside ``jax.shard_map``.
+        kind: ``"stack"`` (vmap/map: outputs along the mapped axis), ``"sum"`` or ``"mean"``.
+        leaves, treedef, axes: the flat arguments, their structure and mapped axes.
+        n: the size of the mapped axis.
+        mesh_axes: what :func:`mapped_mesh_axes` found.
+
+    Returns:
+        ``wrapper(*args, **kwargs)``, with stacked outputs sharded along the mapped axis.
+    """
+    where = getattr(wrapper, "where", "chunkop")
+    mesh, names = mesh_axes
+    shards = mesh_axes.n_shards
+    if n % shards:
+        raise ValueError(
+            f"{where}: the mapped axis (size {n}) is sharded over mesh axes {names} of "
+            f"{shards} devices, which does not divide it; pad the inputs to a multiple of "
+            f"{shards} or shard them evenly."
+        )
+    axis_name = getattr(wrapper, "axis_name", None)
+    if axis_name is not None:
+        _refuse_collectives(wrapper, leaves, treedef, axes, n, mesh_axes)
+    dynamic = [_is_array(x) for x in leaves]
+    static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
+    dyn = [x for x, d in zip(leaves, dynamic) if d]
+    shapes = tuple((tuple(x.shape), x.dtype) for x in dyn)
+    # Not cached by the wrapper: as the unsharded path, ``fun`` is traced on every call (the
+    # chunk loop inside is what is cached). Under an enclosing ``jax.jit`` this is staged once.
+    specs = [_spec_at(a, mesh_axes.names) if a is not None else P() for a, d in zip(axes, dynamic) if d]
+    dyn = [_conform(x, spec, mesh_axes) for x, spec in zip(dyn, specs)]
+    return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes)(*dyn)
+
+
+def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: MeshAxes) -> None:
+    """A collective over ``axis_name`` would see one device's shard only: refuse it."""
+    from ._trace import trace_example
+
+    try:
+        trace_example(
+            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name,
+            chunk_size=n // mesh_axes.n_shards, remat=False, where=wrapper.where,
+        )
+    except ValueError as e:
+        if "collective" not in str(e):
+            raise
+        raise ValueError(
+            f"{wrapper.where}: `fun` uses a collective over axis_name={wrapper.axis_name!r}, but "
+            f"the mapped inputs are sharded over mesh axes {mesh_axes.names}, so each device "
+            f"would see only its own shard ({n // mesh_axes.n_shards} of {n}): a silently wrong "
+            f"result. Replicate the inputs, or compute the reduction with chunkop.sum."
+        ) from None
+
+
+def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, shapes: tuple, mesh_axes: MeshAxes):
+    """The ``shard_map`` of ``wrapper`` over the dynamic (array) leaves."""
+    where = getattr(wrapper, "where", "chunkop")
+    mesh, names = mesh_axes
+    n_leaves = len(axes)
+    static_at = dict(static)
+    dyn_idx = [i for i in range(n_leaves) if i not in static_at]
+    in_specs = tuple(_spec_at(axes[i], names) if axes[i] is not None else P() for i in dyn_idx)
+
+    def full_leaves(d: Sequence[Any]) -> list:
+        full: list = [None] * n_leaves
+        for i, v in static_at.items():
+            full[i] = v
+        for i, v in zip(dyn_idx, d):
+            full[i] = v
+        return full
+
+    def call_local(*d: Any) -> Any:
+        a, k = jax.tree_util.tree_unflatten(treedef, full_leaves(d))
+        with _inside_local():
+            return wrapper(*a, **k)
+
+    if kind == "stack":
+        examples = [
+            jax.ShapeDtypeStruct(tuple(s for j, s in enumerate(shape) if j != axes[i]), dtype)
+            if axes[i] is not None
+            else jax.ShapeDtypeStruct(shape, dtype)
+            for i, (shape, dtype) in zip(dyn_idx, shapes)
+        ]
+
+        def one(*ex: Any) -> Any:
+            a, k = jax.tree_util.tree_unflatten(treedef, full_leaves(ex))
+            return wrapper.fun(*a, **k)
+
+        per_example = jax.eval_shape(one, *examples)
+        oaxes = flat_out_axes(wrapper.out_axes, per_example, where)
+        out_specs = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(per_example), [P() if a is None else _spec_at(a, names) for a in oaxes]
+        )
+        body = call_local
+    else:
+        out_specs = P()
+        reduce = jax.lax.psum if kind == "sum" else jax.lax.pmean
+
+        def body(*d: Any) -> Any:
+            return jax.tree_util.tree_map(lambda o: reduce(o, names), call_local(*d))
+
+    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
+    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(names), check_vma=False
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# RowOperator with rows sharded along the row axis.
+
+
+def row_mesh(rows: Any) -> MeshAxes | None:
+    """The mesh axes the leading (row) axis of ``rows`` is sharded over, or None.
+
+    All sharded leaves must agree; unsharded leaves are resharded by ``shard_map``.
+    """
+    leaves = jax.tree_util.tree_leaves(rows)
+    return mapped_mesh_axes(leaves, [0] * len(leaves), "RowOperator")
+
+
+def spec_context(rows: Any) -> Any:
+    """The context to trace a row-sharded operator's ``row_fn`` in: no mesh.
+
+    A jaxpr traced under ``jax.set_mesh`` records that mesh in its nested ``jit`` equations
+    (``jnp`` functions are jitted), and evaluating it inside ``shard_map``, where the row axis is
+    Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both
+    places. Only operators with sharded rows are traced so (an unsharded operator built under
+    an Explicit mesh needs its mesh context for its derivatives); so the ``row_fn`` of an
+    operator built under a mesh from unsharded rows cannot be reused for sharded rows: build
+    the sharded operator from its own ``row_fn``, or build the first one outside the mesh.
+    """
+    if row_mesh(rows) is None or jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+
+
+def operator_mesh(op: Any) -> MeshAxes | None:
+    """The mesh axes a ``RowOperator``'s rows are sharded over: from the rows themselves, or as
+    recorded when the operator was built (under ``jax.jit`` on an Auto mesh, traced rows carry no
+    sharding; an operator built outside ``jit`` from sharded rows keeps it)."""
+    found = row_mesh(op.rows)
+    if found is None and not getattr(_LOCAL, "active", False):
+        found = getattr(op, "mesh_axes", None)
+    return found
+
+
+def _explicit(mesh_axes: MeshAxes) -> bool:
+    mesh = mesh_axes.mesh
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    return all(types.get(a) == jax.sharding.AxisType.Explicit for a in mesh_axes.names)
+
+
+def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
+    """On an Explicit mesh, reshard the leaves whose sharding type differs from ``specs``
+    (``shard_map`` requires the types to match; e.g. lineax may hand over replicated rows)."""
+    if not _explicit(mesh_axes):
+        return tree
+
+    def fix(x: Any, spec: P) -> Any:
+        s = _sharding_of(x)
+        have = tuple(s.spec) if s is not None else ()
+        want = tuple(spec)
+        pad = lambda t: t + (None,) * (max(len(have), len(want)) - len(t))  # noqa: E731
+        if pad(have) == pad(want):
+            return x
+        return jax.sharding.reshard(x, spec)
+
+    return jax.tree_util.tree_map(fix, tree, specs)
+
+
+def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
+    """A ``RowOperator``'s in/out structure with the sharding types of an Explicit mesh.
+
+    On an Explicit mesh ``jax.eval_shape`` of a vector reports its sharding, and lineax compares
+    structures with it: the row space (``rows=True``) is sharded like the rows, the x space is
+    replicated (``T.mv`` ends in a ``psum``). Unchanged when the rows are not sharded, or the
+    mesh axes are Auto.
+    """
+    mesh_axes = operator_mesh(op)
+    if mesh_axes is None or not _explicit(mesh_axes):
+        return structs
+    mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
+    sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if rows else P())
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), structs)
+
+
+def _check_even(n: int, mesh_axes: MeshAxes) -> None:
+    if n % mesh_axes.n_shards:
+        raise ValueError(
+            f"RowOperator: the {n} rows are sharded over mesh axes {mesh_axes.names} of "
+            f"{mesh_axes.n_shards} devices, which does not divide them; pad the rows to a "
+            f"multiple of {mesh_axes.n_shards}."
+        )
+
+
+def sharded_apply(apply: Callable, spec: Any, consts: Any, rows: Any, x: Any, mesh_axes: MeshAxes) -> Any:
+    """``A x`` with each device computing its own rows: ``apply(spec, consts, local_rows, x)``.
+
+    Args:
+        apply: the single-device matvec ``apply(spec, consts, rows, x)``.
+        spec: the operator's static description.
+        consts: the arrays ``row_fn`` closes over (replicated on every device).
+        rows: the row pytree, sharded along axis 0 over ``mesh_axes``.
+        x: the input (replicated on every device).
+        mesh_axes: from :func:`row_mesh`.
+
+    Returns:
+        The rows of ``A x``, sharded along axis 0 like ``rows``.
+    """
+    names = mesh_axes.names
+    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
+    row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+
+    def local(c: Any, r: Any, v: Any) -> Any:
+        with _inside_local():
+            return apply(spec, c, r, v)
+
+    consts, rows, x = _conform(consts, rep(consts), mesh_axes), _conform(rows, row_specs, mesh_axes), _conform(x, rep(x), mesh_axes)
+    return jax.shard_map(
+        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, rep(x)), out_specs=_spec_at(0, names),
+        axis_names=set(names), check_vma=False,
+    )(consts, rows, x)
+
+
+def sharded_apply_transpose(
+    apply_transpose: Callable, spec: Any, consts: Any, rows: Any, y: Any, mesh_axes: MeshAxes
+) -> Any:
+    """``A^T y``: each device transposes its own rows, then one ``psum`` over ``mesh_axes``.
+
+    Args:
+        apply_transpose: the single-device transpose ``apply_transpose(spec, consts, rows, y)``.
+        spec: the operator's static description.
+        consts: the arrays ``row_fn`` closes over (replicated on every device).
+        rows: the row pytree, sharded along axis 0 over ``mesh_axes``.
+        y: the output-space vector (its rows are resharded like ``rows`` if they are not).
+        mesh_axes: from :func:`row_mesh`.
+
+    Returns:
+        ``A^T y`` (x-space, replicated).
+    """
+    names = mesh_axes.names
+    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
+    row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
+    y_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), y)
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+
+    def local(c: Any, r: Any, w: Any) -> Any:
+        with _inside_local():
+            part = apply_transpose(spec, c, r, w)
+        return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), part)
+
+    consts, rows, y = _conform(consts, rep(consts), mesh_axes), _conform(rows, row_specs, mesh_axes), _conform(y, y_specs, mesh_axes)
+    return jax.shard_map(
+        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, y_specs), out_specs=P(),
+        axis_names=set(names), check_vma=False,
+    )(consts, rows, y)

@@ -1,0 +1,332 @@
+"""Multi-device checks of sharded inputs and rows, run in a subprocess by tests/test_sharding.py.
+
+JAX fixes its CPU device count when the backend starts, and the rest of the suite runs with one
+device, so these checks run in their own interpreter with
+``--xla_force_host_platform_device_count=4`` set before ``jax`` is imported. Usage::
+
+    python tests/_multidevice_checks.py [NAME ...]
+
+prints one JSON object (check name -> "ok" or the failure's traceback) as its last line.
+Every check compares against a reference computed without sharding (``jax.vmap``, a dense
+matrix) and asserts the output's sharding and the compiled program's collectives.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import lineax as lx  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import chunkop  # noqa: E402
+
+N = 64  # mapped axis / rows: 16 per device
+CHECKS = {}
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def close(actual, expected, rtol=1e-5, atol=1e-5):
+    for a, e in zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True):
+        assert np.shape(a) == np.shape(e), (np.shape(a), np.shape(e))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def mesh_of(kind):
+    types = (AxisType.Explicit,) if kind == "explicit" else (AxisType.Auto,)
+    return jax.make_mesh((4,), ("d",), axis_types=types)
+
+
+def collectives(fn, *args):
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    return re.findall(r"= [^ ]+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+
+
+def scan_lengths(fn, *args):
+    """The ``length`` of every scan in ``fn``'s jaxpr, and whether a shard_map encloses them."""
+    found = []
+
+    def walk(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            here = inside or eqn.primitive.name == "shard_map"
+            if eqn.primitive.name == "scan":
+                found.append((eqn.params["length"], here))
+            for v in eqn.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    if hasattr(sub, "eqns"):
+                        walk(sub, here)
+                    elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        walk(sub.jaxpr, here)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr, False)
+    return found
+
+
+def mapped_spec(y, axis=0):
+    spec = tuple(y.sharding.spec) + (None,) * y.ndim
+    return spec[axis]
+
+
+def data(seed=0):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.normal(size=(3, 5)), jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(N, 3)), jnp.float32)
+    return w, xs
+
+
+def f(w, x):
+    return jnp.tanh(x @ w)
+
+
+# -- chunkop.vmap / map ------------------------------------------------------------------------
+
+
+def _vmap_values(kind):
+    mesh = mesh_of(kind)
+    w, xs = data()
+    ref = jax.vmap(f, (None, 0))(w, xs)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        for c in (None, 5, 16):
+            g = chunkop.vmap(f, (None, 0), chunk_size=c)
+            close(g(w, x), ref)
+            assert mapped_spec(g(w, x)) == "d", (c, g(w, x).sharding)
+            close(jax.jit(g)(w, x), ref)
+            if kind == "explicit":
+                # the sharding is in the traced types: detected under jit, no collective at all
+                assert mapped_spec(jax.jit(g)(w, x)) == "d"
+                assert collectives(g, w, x) == [], (c, collectives(g, w, x))
+            # (Auto under jit: traced values carry no sharding; spmd_axis_name says it, below)
+
+
+@check
+def vmap_values_explicit():
+    _vmap_values("explicit")
+
+
+@check
+def vmap_values_auto():
+    _vmap_values("auto")
+
+
+@check
+def vmap_chunks_each_local_shard():
+    mesh = mesh_of("explicit")
+    w, xs = data()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        g = chunkop.vmap(f, (None, 0), chunk_size=4)
+        # 16 rows per device in chunks of 4: one scan of length 4, inside the shard_map
+        assert scan_lengths(jax.jit(g), w, x) == [(4, True)], scan_lengths(jax.jit(g), w, x)
+
+
+@check
+def vmap_other_axes_and_pytrees():
+    mesh = mesh_of("explicit")
+    w, xs = data()
+    xt = xs.T  # mapped along axis 1
+
+    def h(w, x, b):
+        return {"y": jnp.tanh(x @ w) + b["s"], "z": w.sum()}
+
+    b = {"s": jnp.arange(N, dtype=jnp.float32)}
+    ref = jax.vmap(h, (None, 1, 0), {"y": 1, "z": None})(w, xt, b)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xt, NamedSharding(mesh, P(None, "d")))
+        g = chunkop.vmap(h, (None, 1, 0), {"y": 1, "z": None}, chunk_size=3)
+        y = jax.jit(g)(w, x, b)
+        close(y, ref)
+        assert mapped_spec(y["y"], 1) == "d", y["y"].sharding
+        assert "all-gather" not in collectives(g, w, x, b)
+
+
+@check
+def vmap_grad():
+    for kind in ("explicit", "auto"):
+        mesh = mesh_of(kind)
+        w, xs = data(1)
+        ref = jax.grad(lambda w: (jax.vmap(f, (None, 0))(w, xs) ** 2).sum())(w)
+        with jax.set_mesh(mesh):
+            x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+            g = chunkop.vmap(f, (None, 0), chunk_size=5)
+            got = jax.jit(jax.grad(lambda w, x: (g(w, x) ** 2).sum()))(w, x)
+        close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@check
+def vmap_spmd_axis_name_auto_under_jit():
+    # Under jit on an Auto mesh the traced input carries no sharding; spmd_axis_name names it.
+    mesh = mesh_of("auto")
+    w, xs = data()
+    ref = jax.vmap(f, (None, 0))(w, xs)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        g = chunkop.vmap(f, (None, 0), chunk_size=5, spmd_axis_name="d")
+        y = jax.jit(g)(w, x)
+        close(y, ref)
+        assert mapped_spec(y) == "d", y.sharding
+        assert collectives(g, w, x) == [], collectives(g, w, x)
+        assert [h for _, h in scan_lengths(jax.jit(g), w, x)] == [True]
+
+
+@check
+def vmap_axis_name_collective_on_shards_refused():
+    mesh = mesh_of("explicit")
+    _, xs = data()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        ok = chunkop.vmap(lambda v: v * 2, axis_name="i", chunk_size=4)  # no collective: fine
+        close(ok(x), xs * 2)
+        bad = chunkop.vmap(lambda v: v / jax.lax.psum(v, "i"), axis_name="i", chunk_size=None)
+        try:
+            bad(x)
+        except ValueError as e:
+            assert "collective" in str(e) and "shard" in str(e), e
+        else:
+            raise AssertionError("a psum over the sharded mapped axis was not refused")
+
+
+@check
+def map_sharded():
+    mesh = mesh_of("explicit")
+    _, xs = data()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        y = jax.jit(lambda x: chunkop.map(jnp.linalg.norm, x, chunk_size=3))(x)
+        close(y, jnp.linalg.norm(xs, axis=1))
+        assert mapped_spec(y) == "d"
+
+
+# -- chunkop.sum / mean ------------------------------------------------------------------------
+
+
+@check
+def sum_mean_values_grad_one_allreduce():
+    w, xs = data(2)
+    loss = lambda w, x: (f(w, x) ** 2).sum()  # noqa: E731
+    ref = jax.vmap(loss, (None, 0))(w, xs)
+    gref = jax.grad(lambda w: jax.vmap(loss, (None, 0))(w, xs).sum())(w)
+    for kind in ("explicit", "auto"):
+        mesh = mesh_of(kind)
+        with jax.set_mesh(mesh):
+            x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+            for c in (None, 5, 16):
+                s = chunkop.sum(loss, (None, 0), chunk_size=c)
+                m = chunkop.mean(loss, (None, 0), chunk_size=c)
+                close(jax.jit(s)(w, x), ref.sum(), rtol=1e-5)
+                close(jax.jit(m)(w, x), ref.mean(), rtol=1e-5)
+                close(s(w, x), ref.sum(), rtol=1e-5)
+                close(jax.jit(jax.grad(s))(w, x), gref, rtol=1e-4)
+                if kind == "explicit":  # one all-reduce of the per-device sums, nothing else
+                    assert collectives(s, w, x) == ["all-reduce"], (c, collectives(s, w, x))
+
+
+# -- RowOperator with sharded rows -------------------------------------------------------------
+
+NPIX = 50
+
+
+def los_rows(seed=3):
+    rng = np.random.default_rng(seed)
+    return {
+        "idx": jnp.asarray(rng.integers(0, NPIX, (N, 4)), jnp.int32),
+        "w": jnp.asarray(rng.uniform(0.5, 1.5, (N, 4)), jnp.float32),
+    }
+
+
+def row_fn(r, x):
+    return jnp.sum(r["w"] * jnp.log1p(r["w"]) * x[r["idx"]])
+
+
+X_STRUCT = jax.ShapeDtypeStruct((NPIX,), jnp.float32)
+
+
+def _operator_checks(kind):
+    rows = los_rows()
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=NPIX), jnp.float32)
+    y = jnp.asarray(rng.normal(size=N), jnp.float32)
+    M = np.asarray(chunkop.RowOperator(row_fn, rows, X_STRUCT, chunk_size=5).as_matrix())
+    mesh = mesh_of(kind)
+    with jax.set_mesh(mesh):
+        rs = jax.device_put(rows, NamedSharding(mesh, P("d")))
+        ys = jax.device_put(y, NamedSharding(mesh, P("d")))
+        A = chunkop.RowOperator(row_fn, rs, X_STRUCT, chunk_size=5)
+        mv = jax.jit(lambda A, x: A.mv(x))
+        tmv = jax.jit(lambda A, y: A.T.mv(y))
+        out = mv(A, x)
+        close(out, M @ x)
+        assert mapped_spec(out) == "d", out.sharding
+        close(A.mv(x), M @ x)
+        close(tmv(A, ys), M.T @ y, rtol=1e-5, atol=1e-5)
+        close(A.T.mv(ys), M.T @ y, rtol=1e-5, atol=1e-5)
+        close(jax.jit(lambda A, x: A.T.mv(A.mv(x)))(A, x), M.T @ (M @ x), rtol=1e-5, atol=1e-4)
+        # collectives: mv is local; T.mv one all-reduce of the x-space result
+        assert collectives(lambda A, x: A.mv(x), A, x) == [], collectives(lambda A, x: A.mv(x), A, x)
+        assert collectives(lambda A, y: A.T.mv(y), A, ys) == ["all-reduce"], collectives(
+            lambda A, y: A.T.mv(y), A, ys
+        )
+        assert [h for _, h in scan_lengths(mv, A, x)] == [True]
+
+        # derivatives w.r.t. x and the row weights (operator rebuilt from its sharded rows)
+        def loss(w, x, idx):
+            B = chunkop.RowOperator(row_fn, {"idx": idx, "w": w}, X_STRUCT, chunk_size=5)
+            return jnp.sum(jnp.sin(B.mv(x))) + jnp.sum(B.T.mv(B.mv(x)) ** 2)
+
+        gref = jax.grad(loss, argnums=(0, 1))(rows["w"], x, rows["idx"])
+        got = jax.jit(jax.grad(loss, argnums=(0, 1)))(rs["w"], x, rs["idx"])
+        close(got, gref, rtol=1e-4, atol=1e-3)
+        hv = lambda w, x, v, idx: jax.jvp(lambda x: jax.grad(loss, 1)(w, x, idx), (x,), (v,))[1]  # noqa: E731
+        close(jax.jit(hv)(rs["w"], x, x, rs["idx"]), hv(rows["w"], x, x, rows["idx"]), rtol=1e-4, atol=1e-3)
+        # vmap over x
+        X2 = jnp.stack([x, 2 * x])
+        close(jax.jit(jax.vmap(lambda A, x: A.mv(x), (None, 0)))(A, X2), X2 @ M.T)
+
+        # lineax normal-equations solve under jit
+        b = jax.device_put(jnp.asarray(M @ x), NamedSharding(mesh, P("d")))
+
+        def solve(A, b):
+            s = lx.Normal(lx.CG(rtol=1e-6, atol=1e-6, max_steps=500))
+            return lx.linear_solve(A, b, s, throw=False).value
+
+        sol = jax.jit(solve)(A, b)
+        close(M @ np.asarray(sol), M @ x, rtol=1e-3, atol=1e-3)
+
+
+@check
+def operator_sharded_rows_explicit():
+    _operator_checks("explicit")
+
+
+@check
+def operator_sharded_rows_auto():
+    _operator_checks("auto")
+
+
+def main(names):
+    results = {}
+    for name in names or list(CHECKS):
+        try:
+            CHECKS[name]()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001
+            results[name] = traceback.format_exc()
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

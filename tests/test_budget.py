@@ -1,0 +1,246 @@
+"""``chunk_size="auto"``: chunks chosen from XLA's compiled memory analysis and a budget.
+
+Every memory figure asserted here is re-measured independently: the program the user would
+run (``jax.grad`` of a loss on the chunked function, the operator's ``mv``/``T.mv``) is
+compiled at the chosen chunk and its ``temp_size_in_bytes`` compared with the budget.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_tree_allclose, make_los_rows, primitive_names
+
+import chunkop
+from chunkop import _budget
+
+MiB = 2**20
+
+
+def temp_bytes(fn, *args) -> int:
+    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+def mlp(w, x):
+    h = x
+    for _ in range(3):
+        h = jnp.tanh(h @ w)
+    return jnp.sum(h)
+
+
+@pytest.fixture(scope="module")
+def mlp_data():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(64, 64)) / 8, jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(4096, 64)), jnp.float32)
+    return w, xs
+
+
+# -- the planner on synthetic memory curves ----------------------------------------------------
+
+
+def test_choose_chunk_affine_takes_the_largest_chunk_within_budget():
+    calls = []
+
+    def temp(c):
+        calls.append(c)
+        return 10_000 + 100 * c
+
+    plan = _budget.choose_chunk(temp, n=100_000, budget=1_010_000)
+    assert plan.compiled_bytes <= 1_010_000
+    assert plan.compiled_bytes == temp(plan.chunk)
+    # the largest chunk within budget is 10_000, a divisor of n: found exactly
+    assert plan.chunk == 10_000
+    assert len(calls) <= 8  # whole axis, two probes, few candidates (+1 recheck above)
+
+
+def test_choose_chunk_whole_axis_fits_means_no_chunking():
+    plan = _budget.choose_chunk(lambda c: 8 * c, n=1000, budget=10_000)
+    assert plan.chunk is None and plan.compiled_bytes == 8000 and len(plan.probes) == 1
+
+
+def test_choose_chunk_non_affine_stays_within_budget():
+    # remainder chunks cost extra memory, as XLA's buffer assignment may not share them
+    def temp(c):
+        rem = 10_000 % c
+        return 5_000 + 40 * c + (30 * rem if rem else 0)
+
+    for budget in (20_000, 60_000, 150_000):
+        plan = _budget.choose_chunk(temp, n=10_000, budget=budget)
+        assert temp(plan.chunk) <= budget
+        best = max(c for c in range(1, 5001) if temp(c) <= budget)
+        assert plan.chunk >= 0.5 * best, (budget, plan, best)
+
+
+def test_choose_chunk_budget_too_small_raises_with_the_least_memory():
+    with pytest.raises(ValueError, match=r"memory_budget.*too small.*chunk_size=1\b"):
+        _budget.choose_chunk(lambda c: 1000 + c, n=100, budget=500)
+
+
+def test_choose_chunk_throughput_cap():
+    temp = lambda c: 1000 + 10 * c  # noqa: E731
+    plan = _budget.choose_chunk(temp, n=100_000, budget=10**9, cap=101_000)
+    assert plan.chunk == 10_000 and plan.budget == 10**9 and plan.cap == 101_000
+    # nothing fits the cap but something fits the budget: the least-memory chunk, no error
+    plan = _budget.choose_chunk(lambda c: 50_000 + c, n=1000, budget=60_000, cap=10_000)
+    assert plan.chunk is not None and plan.compiled_bytes <= 60_000
+    assert _budget.throughput_cap() == _budget.CPU_TEMP_CAP  # the tests run on CPU
+
+
+def test_default_budget_is_a_fraction_of_free_memory():
+    free = _budget.free_memory()
+    assert free > 0
+    assert _budget.default_budget() == max(1, int(_budget.DEFAULT_FRACTION * free)) or abs(
+        _budget.default_budget() - _budget.DEFAULT_FRACTION * free
+    ) < 0.05 * free  # free memory moves between the two reads
+
+
+# -- chunkop.vmap / sum with chunk_size="auto" -------------------------------------------------
+
+
+def test_vmap_auto_grad_memory_within_budget_and_values(mlp_data):
+    w, xs = mlp_data
+    budget = 1 * MiB
+    f = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=budget)
+    ref = jax.vmap(mlp, (None, 0))(w, xs)
+    assert_tree_allclose(f(w, xs), ref, rtol=1e-5, atol=1e-5)
+    plan = f.last_plan
+    assert plan is not None and plan.chunk is not None and plan.mode == "grad"
+    assert plan.compiled_bytes <= budget
+
+    # independently: the user's grad program at the chosen chunk fits the budget (+10%)
+    loss = lambda w, x: jnp.sum(chunkop.vmap(mlp, (None, 0), chunk_size=plan.chunk)(w, x) ** 2)  # noqa: E731
+    assert temp_bytes(jax.grad(loss), w, xs) <= 1.1 * budget
+    assert temp_bytes(chunkop.vmap(mlp, (None, 0), chunk_size=plan.chunk), w, xs) <= 1.1 * budget
+    g = jax.grad(lambda w, x: jnp.sum(f(w, x) ** 2))(w, xs)
+    gref = jax.grad(lambda w: jnp.sum(jax.vmap(mlp, (None, 0))(w, xs) ** 2))(w)
+    scale = float(jnp.abs(gref).max())  # float32 sums of ~4000 terms in another order
+    assert_tree_allclose(g, gref, rtol=1e-4, atol=1e-5 * scale)
+
+    # near the largest chunk that fits: the largest fitting power of two is at most 2x bigger
+    def grad_temp(c):
+        return temp_bytes(jax.grad(lambda w, x: jnp.sum(chunkop.vmap(mlp, (None, 0), chunk_size=c)(w, x) ** 2)), w, xs)
+
+    p = 2 ** int(np.log2(plan.chunk))
+    assert grad_temp(4 * p) > budget, "a 4x larger chunk fits too: the plan is far from the largest"
+
+
+def test_vmap_auto_plan_is_cached_per_signature(mlp_data):
+    w, xs = mlp_data
+    f = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=MiB)
+    f(w, xs)
+    first = f.last_plan
+    g = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=MiB)  # a new wrapper
+    g(w, xs)
+    assert g.last_plan is first  # same traced signature: the plan is reused, nothing recompiled
+    g(w, xs[:2048])
+    assert g.last_plan is not first and g.last_plan.size == 2048
+    assert chunkop.plan(g, w, xs) is first
+
+
+def test_vmap_auto_whole_axis_fits_is_plain_vmap(mlp_data):
+    w, xs = mlp_data
+    f = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=1 << 30)
+    plan = chunkop.plan(f, w, xs)
+    assert plan.chunk is None
+    assert "scan" not in primitive_names(jax.make_jaxpr(f)(w, xs))
+    assert_tree_allclose(f(w, xs), jax.vmap(mlp, (None, 0))(w, xs))
+
+
+def test_sum_auto_under_hvp_plans_for_hvp(mlp_data):
+    w, xs = mlp_data
+    budget = 4 * MiB
+    s = chunkop.sum(mlp, (None, 0), chunk_size="auto", memory_budget=budget)
+    assert_tree_allclose(s(w, xs), jax.vmap(mlp, (None, 0))(w, xs).sum(), rtol=1e-5)
+    assert s.last_plan.mode == "grad"
+    v = jnp.ones_like(w) / 64
+    hvp = jax.jvp(jax.grad(lambda w: s(w, xs)), (w,), (v,))[1]
+    assert s.last_plan.mode == "hvp" and s.last_plan.compiled_bytes <= budget
+    ref = jax.jvp(jax.grad(lambda w: jax.vmap(mlp, (None, 0))(w, xs).sum()), (w,), (v,))[1]
+    assert_tree_allclose(hvp, ref, rtol=1e-4, atol=1e-4)
+    chunk = s.last_plan.chunk
+    hvp_prog = lambda w, x, v: jax.jvp(  # noqa: E731
+        jax.grad(lambda w: chunkop.sum(mlp, (None, 0), chunk_size=chunk)(w, x)), (w,), (v,)
+    )[1]
+    assert temp_bytes(hvp_prog, w, xs, v) <= 1.1 * budget
+
+
+def test_map_and_mean_auto():
+    xs = jnp.arange(3000.0).reshape(1000, 3)
+    assert_tree_allclose(
+        chunkop.map(lambda x: jnp.sin(x).sum(), xs, chunk_size="auto", memory_budget=MiB), jnp.sin(xs).sum(1)
+    )
+    m = chunkop.mean(lambda x: jnp.cos(x), chunk_size="auto", memory_budget=MiB)
+    assert_tree_allclose(m(xs), jnp.cos(xs).mean(0), rtol=1e-5)
+
+
+def test_jacrev_jacfwd_auto():
+    f = lambda x: jnp.tanh(jnp.outer(x, x)).sum(0)  # noqa: E731
+    x = jnp.linspace(0.0, 1.0, 200)
+    budget = 2 * MiB
+    assert_tree_allclose(chunkop.jacrev(f, chunk_size="auto", memory_budget=budget)(x), jax.jacrev(f)(x), rtol=1e-5)
+    assert_tree_allclose(chunkop.jacfwd(f, chunk_size="auto", memory_budget=budget)(x), jax.jacfwd(f)(x), rtol=1e-5)
+
+
+# -- RowOperator -------------------------------------------------------------------------------
+
+
+def test_row_operator_auto_memory_within_budget():
+    npix, n = 400, 6000
+    r = make_los_rows(n, npix)
+    rows = {"idx": jnp.stack([r["idx"], (r["idx"] + 7) % npix], 1), "d": r["d"]}
+
+    def row_fn(row, x):
+        wts = jnp.exp(-row["d"] / 1000.0) * jnp.array([1.0, 0.5])
+        return jnp.sum(wts * x[row["idx"]])
+
+    xs = jax.ShapeDtypeStruct((npix,), jnp.float32)
+    dense = chunkop.RowOperator(row_fn, rows, xs, chunk_size=n).as_matrix()
+    budget = 96 * 1024  # the unchunked programs need ~140 KiB, chunk 54 ~50 KiB
+    A = chunkop.RowOperator(row_fn, rows, xs, chunk_size="auto", memory_budget=budget)
+    plan = chunkop.plan(A)
+    assert plan is chunkop.plan(A.T) and plan.chunk == A.chunk_size < n and plan.compiled_bytes <= budget
+    x = jnp.linspace(-1.0, 1.0, npix)
+    y = jnp.linspace(0.0, 1.0, n)
+    assert_tree_allclose(A.mv(x), dense @ x, rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(A.T.mv(y), dense.T @ y, rtol=1e-4, atol=1e-4)
+    # independent measurements of the programs a user runs
+    assert temp_bytes(lambda A, x: A.mv(x), A, x) <= 1.1 * budget
+    assert temp_bytes(lambda A, y: A.T.mv(y), A, y) <= 1.1 * budget
+    # the VJP of mv (what a gradient through A pulls back; the surrounding loss's own n-sized
+    # intermediates, e.g. A x and its cotangent, are the user's program, not the operator's)
+    assert temp_bytes(lambda A, x, ct: jax.vjp(lambda x: A.mv(x), x)[1](ct), A, x, y) <= 1.1 * budget
+    big = chunkop.RowOperator(row_fn, rows, xs, chunk_size="auto", memory_budget=1 << 30)
+    assert chunkop.plan(big).chunk is None and big.chunk_size == n
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [-1, 0, "1GB", float("nan"), True])
+def test_bad_memory_budget(bad):
+    with pytest.raises((TypeError, ValueError), match="memory_budget"):
+        chunkop.vmap(jnp.sin, chunk_size="auto", memory_budget=bad)
+
+
+def test_bad_chunk_size_string():
+    with pytest.raises(TypeError, match=r"chunk_size.*\"auto\", got 'automatic'"):
+        chunkop.vmap(jnp.sin, chunk_size="automatic")
+    with pytest.raises(TypeError, match="RowOperator: `chunk_size`"):
+        chunkop.RowOperator(lambda r, x: r * x[0], jnp.ones(3), jnp.zeros(2), chunk_size="max")
+
+
+def test_plan_of_a_non_auto_transform_raises():
+    with pytest.raises(TypeError, match="auto"):
+        chunkop.plan(chunkop.vmap(jnp.sin, chunk_size=4), jnp.zeros(10))
+    with pytest.raises(TypeError, match="auto"):
+        chunkop.plan(chunkop.RowOperator(lambda r, x: r * x[0], jnp.ones(3), jnp.zeros(2), chunk_size=2))
+
+
+def test_budget_too_small_is_a_clear_error(mlp_data):
+    w, xs = mlp_data
+    f = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=1000)
+    with pytest.raises(ValueError, match="memory_budget.*too small"):
+        f(w, xs)
