@@ -126,8 +126,8 @@ def los_problem(n: int, npix: int = 4096, k: int = 16):
 
         spec = _rows.Spec(row_fn, chunk, (xs,), jax.tree_util.tree_structure(xs))
         leaves, tree = jax.tree_util.tree_flatten(rows)
-        mv = lambda *f: _rows.apply(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])  # noqa: E731
-        tmv = lambda *f: _rows.apply_transpose(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])  # noqa: E731
+        mv = lambda *f: _rows.apply(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])
+        tmv = lambda *f: _rows.apply_transpose(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])
         return max(
             _budget.program_temp_bytes(mv, leaves + [x], "grad"),
             _budget.program_temp_bytes(tmv, leaves + [b], "grad"),
@@ -158,10 +158,19 @@ def run_vmap_grad(n: int, budgets: list[int], repeats: int) -> list[dict]:
         best = min((k for k in times if k.startswith("hand")), key=times.get, default=None)
         results.append(
             dict(
-                workload="vmap-grad", n=n, budget=budget, auto_chunk=auto_chunk, plan_s=plan_s,
-                predicted=plan.predicted_bytes, compiled_plan=plan.compiled_bytes, auto_temp=auto_mem,
-                hand_fitting={c: m for c, m in fitting.items()}, times=times, best_hand=best,
-                ratio=(times["auto"] / times[best]) if best else None, probes=list(plan.probes),
+                workload="vmap-grad",
+                n=n,
+                budget=budget,
+                auto_chunk=auto_chunk,
+                plan_s=plan_s,
+                predicted=plan.predicted_bytes,
+                compiled_plan=plan.compiled_bytes,
+                auto_temp=auto_mem,
+                hand_fitting={c: m for c, m in fitting.items()},
+                times=times,
+                best_hand=best,
+                ratio=(times["auto"] / times[best]) if best else None,
+                probes=list(plan.probes),
                 aa=times["auto (A/A copy)"] / times["auto"],
             )
         )
@@ -186,11 +195,20 @@ def run_operator_hvp(n: int, budgets: list[int], repeats: int) -> list[dict]:
         best = min((k for k in times if k.startswith("hand")), key=times.get, default=None)
         results.append(
             dict(
-                workload="operator-hvp", n=n, budget=budget, auto_chunk=A.chunk_size, plan_s=plan_s,
-                predicted=plan.predicted_bytes, compiled_plan=plan.compiled_bytes,
-                auto_temp=operator_temp(A.chunk_size), hvp_temp_auto=temp_bytes(fns["auto"], *args),
-                hand_fitting=fitting, times=times, best_hand=best,
-                ratio=(times["auto"] / times[best]) if best else None, probes=list(plan.probes),
+                workload="operator-hvp",
+                n=n,
+                budget=budget,
+                auto_chunk=A.chunk_size,
+                plan_s=plan_s,
+                predicted=plan.predicted_bytes,
+                compiled_plan=plan.compiled_bytes,
+                auto_temp=operator_temp(A.chunk_size),
+                hvp_temp_auto=temp_bytes(fns["auto"], *args),
+                hand_fitting=fitting,
+                times=times,
+                best_hand=best,
+                ratio=(times["auto"] / times[best]) if best else None,
+                probes=list(plan.probes),
                 aa=times["auto (A/A copy)"] / times["auto"],
             )
         )
@@ -202,11 +220,12 @@ def report(results: list[dict], load: tuple) -> str:
         f"load average before/after: {load[0]:.2f} / {load[1]:.2f}"
         + ("  (LOADED: timings are not figures)" if max(load) > 1.5 else ""),
         "",
-        "| workload | N | budget | auto chunk | plan time | predicted | compiled (plan) | re-measured | best hand chunk (fits) | auto time | best hand time | auto / best | A/A |",
+        "| workload | N | budget | auto chunk | plan time | predicted | compiled (plan) | re-measured "
+        "| best hand chunk (fits) | auto time | best hand time | auto / best | A/A |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        mib = lambda b: "-" if b is None else f"{b / MiB:.2f} MiB"  # noqa: E731
+        mib = lambda b: "-" if b is None else f"{b / MiB:.2f} MiB"
         best = r["best_hand"]
         lines.append(
             f"| {r['workload']} | {r['n']} | {mib(r['budget'])} | {r['auto_chunk']} | {r['plan_s']:.1f} s | "

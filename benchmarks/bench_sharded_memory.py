@@ -27,11 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "as
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import los  # noqa: E402  (examples/astro_los/los.py)
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import los  # noqa: E402  (examples/astro_los/los.py)
 
 N_PIX, N_BINS, N_LOS = 786432, 516, 132400
 MiB = 2**20
@@ -40,7 +39,9 @@ MiB = 2**20
 def analyse(fn, *args):
     compiled = jax.jit(fn).lower(*args).compile()
     m = compiled.memory_analysis()
-    coll = re.findall(r"= [^ ]+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", compiled.as_text())
+    coll = re.findall(
+        r"= [^ ]+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", compiled.as_text()
+    )
     return m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes, coll
 
 
@@ -78,7 +79,10 @@ def main() -> None:
                 ("A^T A", lambda A, x: A.T.mv(A.mv(x)), x),
             ):
                 ab, ob, tb, coll = analyse(fn, A, arg)
-                print(f"| {layout} | {name} | {ab / MiB:.1f} MiB | {ob / MiB:.1f} MiB | {tb / MiB:.1f} MiB | {', '.join(coll) or 'none'} |")
+                print(
+                    f"| {layout} | {name} | {ab / MiB:.1f} MiB | {ob / MiB:.1f} MiB | {tb / MiB:.1f} MiB "
+                    f"| {', '.join(coll) or 'none'} |"
+                )
 
 
 if __name__ == "__main__":

@@ -17,19 +17,19 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
-import json  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import traceback  # noqa: E402
+import json
+import re
+import sys
+import traceback
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import lineax as lx  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import AxisType, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import lineax as lx
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import chunkop  # noqa: E402
+import chunkop
 
 N = 64  # mapped axis / rows: 16 per device
 CHECKS = {}
@@ -217,7 +217,7 @@ def map_sharded():
 @check
 def sum_mean_values_grad_one_allreduce():
     w, xs = data(2)
-    loss = lambda w, x: (f(w, x) ** 2).sum()  # noqa: E731
+    loss = lambda w, x: (f(w, x) ** 2).sum()
     ref = jax.vmap(loss, (None, 0))(w, xs)
     gref = jax.grad(lambda w: jax.vmap(loss, (None, 0))(w, xs).sum())(w)
     for kind in ("explicit", "auto"):
@@ -277,9 +277,7 @@ def _operator_checks(kind):
         close(jax.jit(lambda A, x: A.T.mv(A.mv(x)))(A, x), M.T @ (M @ x), rtol=1e-5, atol=1e-4)
         # collectives: mv is local; T.mv one all-reduce of the x-space result
         assert collectives(lambda A, x: A.mv(x), A, x) == [], collectives(lambda A, x: A.mv(x), A, x)
-        assert collectives(lambda A, y: A.T.mv(y), A, ys) == ["all-reduce"], collectives(
-            lambda A, y: A.T.mv(y), A, ys
-        )
+        assert collectives(lambda A, y: A.T.mv(y), A, ys) == ["all-reduce"], collectives(lambda A, y: A.T.mv(y), A, ys)
         assert [h for _, h in scan_lengths(mv, A, x)] == [True]
 
         # derivatives w.r.t. x and the row weights (operator rebuilt from its sharded rows)
@@ -290,7 +288,7 @@ def _operator_checks(kind):
         gref = jax.grad(loss, argnums=(0, 1))(rows["w"], x, rows["idx"])
         got = jax.jit(jax.grad(loss, argnums=(0, 1)))(rs["w"], x, rs["idx"])
         close(got, gref, rtol=1e-4, atol=1e-3)
-        hv = lambda w, x, v, idx: jax.jvp(lambda x: jax.grad(loss, 1)(w, x, idx), (x,), (v,))[1]  # noqa: E731
+        hv = lambda w, x, v, idx: jax.jvp(lambda x: jax.grad(loss, 1)(w, x, idx), (x,), (v,))[1]
         close(jax.jit(hv)(rs["w"], x, x, rs["idx"]), hv(rows["w"], x, x, rows["idx"]), rtol=1e-4, atol=1e-3)
         # vmap over x
         X2 = jnp.stack([x, 2 * x])

@@ -80,7 +80,7 @@ def test_choose_chunk_budget_too_small_raises_with_the_least_memory():
 
 
 def test_choose_chunk_throughput_cap():
-    temp = lambda c: 1000 + 10 * c  # noqa: E731
+    temp = lambda c: 1000 + 10 * c
     plan = _budget.choose_chunk(temp, n=100_000, budget=10**9, cap=101_000)
     assert plan.chunk == 10_000 and plan.budget == 10**9 and plan.cap == 101_000
     # nothing fits the cap but something fits the budget: the least-memory chunk, no error
@@ -92,9 +92,10 @@ def test_choose_chunk_throughput_cap():
 def test_default_budget_is_a_fraction_of_free_memory():
     free = _budget.free_memory()
     assert free > 0
-    assert _budget.default_budget() == max(1, int(_budget.DEFAULT_FRACTION * free)) or abs(
-        _budget.default_budget() - _budget.DEFAULT_FRACTION * free
-    ) < 0.05 * free  # free memory moves between the two reads
+    assert (
+        _budget.default_budget() == max(1, int(_budget.DEFAULT_FRACTION * free))
+        or abs(_budget.default_budget() - _budget.DEFAULT_FRACTION * free) < 0.05 * free
+    )  # free memory moves between the two reads
 
 
 # -- chunkop.vmap / sum with chunk_size="auto" -------------------------------------------------
@@ -111,7 +112,7 @@ def test_vmap_auto_grad_memory_within_budget_and_values(mlp_data):
     assert plan.compiled_bytes <= budget
 
     # independently: the user's grad program at the chosen chunk fits the budget (+10%)
-    loss = lambda w, x: jnp.sum(chunkop.vmap(mlp, (None, 0), chunk_size=plan.chunk)(w, x) ** 2)  # noqa: E731
+    loss = lambda w, x: jnp.sum(chunkop.vmap(mlp, (None, 0), chunk_size=plan.chunk)(w, x) ** 2)
     assert temp_bytes(jax.grad(loss), w, xs) <= 1.1 * budget
     assert temp_bytes(chunkop.vmap(mlp, (None, 0), chunk_size=plan.chunk), w, xs) <= 1.1 * budget
     g = jax.grad(lambda w, x: jnp.sum(f(w, x) ** 2))(w, xs)
@@ -161,7 +162,7 @@ def test_sum_auto_under_hvp_plans_for_hvp(mlp_data):
     ref = jax.jvp(jax.grad(lambda w: jax.vmap(mlp, (None, 0))(w, xs).sum()), (w,), (v,))[1]
     assert_tree_allclose(hvp, ref, rtol=1e-4, atol=1e-4)
     chunk = s.last_plan.chunk
-    hvp_prog = lambda w, x, v: jax.jvp(  # noqa: E731
+    hvp_prog = lambda w, x, v: jax.jvp(
         jax.grad(lambda w: chunkop.sum(mlp, (None, 0), chunk_size=chunk)(w, x)), (w,), (v,)
     )[1]
     assert temp_bytes(hvp_prog, w, xs, v) <= 1.1 * budget
@@ -177,7 +178,7 @@ def test_map_and_mean_auto():
 
 
 def test_jacrev_jacfwd_auto():
-    f = lambda x: jnp.tanh(jnp.outer(x, x)).sum(0)  # noqa: E731
+    f = lambda x: jnp.tanh(jnp.outer(x, x)).sum(0)
     x = jnp.linspace(0.0, 1.0, 200)
     budget = 2 * MiB
     assert_tree_allclose(chunkop.jacrev(f, chunk_size="auto", memory_budget=budget)(x), jax.jacrev(f)(x), rtol=1e-5)
@@ -242,5 +243,5 @@ def test_plan_of_a_non_auto_transform_raises():
 def test_budget_too_small_is_a_clear_error(mlp_data):
     w, xs = mlp_data
     f = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=1000)
-    with pytest.raises(ValueError, match="memory_budget.*too small"):
+    with pytest.raises(ValueError, match=r"memory_budget.*too small"):
         f(w, xs)

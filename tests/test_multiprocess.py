@@ -46,7 +46,10 @@ def test_two_processes_two_devices_each(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), str(i), "2", str(port), str(tmp_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for i in range(2)
     ]
@@ -69,7 +72,9 @@ def test_two_processes_two_devices_each(tmp_path):
     mod = _worker_module()
     rows, x = mod.problem()
     A = chunkop.RowOperator(
-        mod.row_fn, jax.tree_util.tree_map(jnp.asarray, rows), jax.ShapeDtypeStruct((mod.NPIX,), jnp.float32),
+        mod.row_fn,
+        jax.tree_util.tree_map(jnp.asarray, rows),
+        jax.ShapeDtypeStruct((mod.NPIX,), jnp.float32),
         chunk_size=5,
     )
     y_ref = np.asarray(A.mv(jnp.asarray(x)))

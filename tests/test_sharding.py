@@ -37,9 +37,7 @@ NAMES = [
 def results() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), *NAMES], capture_output=True, text=True, timeout=900, env=env
-    )
+    proc = subprocess.run([sys.executable, str(SCRIPT), *NAMES], capture_output=True, text=True, timeout=900, env=env)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, f"checks subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(lines[-1])

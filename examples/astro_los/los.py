@@ -142,7 +142,10 @@ def make_los_operator(
     row_fn, _ = _row_fns(edges)
     rows = {"pix": jnp.asarray(idx, jnp.int32), "d": jnp.asarray(d, dtype), "s": jnp.asarray(s, dtype)}
     return chunkop.RowOperator(
-        row_fn, rows, jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype), chunk_size=chunk_size,
+        row_fn,
+        rows,
+        jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype),
+        chunk_size=chunk_size,
         progress=progress,
     )
 
@@ -309,6 +312,17 @@ def make_problem(
     y = y_clean + sigma * jnp.asarray(eps)
     prior_mean = jnp.asarray(np.exp(field["log_rho"] + 0.5 * field["g_sd"] ** 2), jnp.float32)
     return Problem(
-        size=size, nx=cfg.nx, ny=cfg.ny, edges=edges, pix=A.rows["pix"], d=A.rows["d"], s=A.rows["s"],
-        y=y, sigma=sigma, prior_mean=prior_mean, field=field, chunk=chunk, iters=cfg.iters,
+        size=size,
+        nx=cfg.nx,
+        ny=cfg.ny,
+        edges=edges,
+        pix=A.rows["pix"],
+        d=A.rows["d"],
+        s=A.rows["s"],
+        y=y,
+        sigma=sigma,
+        prior_mean=prior_mean,
+        field=field,
+        chunk=chunk,
+        iters=cfg.iters,
     )

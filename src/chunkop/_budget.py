@@ -99,7 +99,7 @@ class BudgetPlan(NamedTuple):
     cap: int | None = None
 
     def __repr__(self) -> str:
-        mib = lambda b: "None" if b is None else f"{b / 2**20:.2f} MiB"  # noqa: E731
+        mib = lambda b: "None" if b is None else f"{b / 2**20:.2f} MiB"
         return (
             f"BudgetPlan(chunk={self.chunk}, size={self.size}, budget={mib(self.budget)}, "
             f"mode={self.mode!r}, cap={mib(self.cap)}, predicted={mib(self.predicted_bytes)}, "
@@ -259,7 +259,7 @@ def choose_chunk(
         else:
             (ca, ba), (cb, bb) = over[:2] if len(over) > 1 else (over[0], over[0])
         slope = (bb - ba) / (cb - ca) if cb != ca else 0.0
-        target = n - 1 if slope <= 0 else int(math.floor(ca + (budget - ba) / slope))
+        target = n - 1 if slope <= 0 else math.floor(ca + (budget - ba) / slope)
         low = inside[-1][0] if inside else 0
         if low >= max(1, n // 2):
             break
@@ -269,7 +269,7 @@ def choose_chunk(
         c = _candidate(n, target, low)
         if c in measured:
             break
-        predictions[c] = int(round(ba + slope * (c - ca)))
+        predictions[c] = round(ba + slope * (c - ca))
         b = measure(c)
         if b <= budget and b >= 0.9 * budget:
             break
@@ -482,7 +482,7 @@ def check_chunk_size_or_auto(chunk_size: Any, *, allow_none: bool = True, where:
             return "auto"
         raise TypeError(
             f"{where}: `chunk_size` must be a positive int, {'None, ' if allow_none else ''}or "
-            f"\"auto\", got {chunk_size!r} of type str."
+            f'"auto", got {chunk_size!r} of type str.'
         )
     from ._axes import check_chunk_size
 
@@ -528,8 +528,17 @@ def _wrapper_key(wrapper: Any, traced_key: Any, leaves: list, axes: list, n: int
         for x in leaves
     )
     return (
-        "auto", type(wrapper).__name__, traced_key, shapes, tuple(axes), n, budget, mode, remat,
-        getattr(wrapper, "out_axes", None), wrapper.spmd_axis_name,
+        "auto",
+        type(wrapper).__name__,
+        traced_key,
+        shapes,
+        tuple(axes),
+        n,
+        budget,
+        mode,
+        remat,
+        getattr(wrapper, "out_axes", None),
+        wrapper.spmd_axis_name,
     )
 
 
@@ -543,8 +552,15 @@ def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: An
         return BudgetPlan(None, n, budget, mode, None, 0, ())
     try:
         traced = trace_example(
-            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name, chunk_size=n - 1,
-            remat=wrapper.remat, where=wrapper.where,
+            wrapper.fun,
+            leaves,
+            treedef,
+            axes,
+            n,
+            axis_name=wrapper.axis_name,
+            chunk_size=n - 1,
+            remat=wrapper.remat,
+            where=wrapper.where,
         )
     except ValueError:
         if wrapper.axis_name is None:
@@ -642,11 +658,11 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
     target = getattr(f, "operator", f)
     if hasattr(target, "budget_plan") and hasattr(target, "rows"):
         if target.budget_plan is None:
-            raise TypeError("chunkop.plan: this RowOperator was not built with chunk_size=\"auto\".")
+            raise TypeError('chunkop.plan: this RowOperator was not built with chunk_size="auto".')
         return target.budget_plan
     if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "_flat_arguments"):
         raise TypeError(
-            f"chunkop.plan: expected a chunkop transform made with chunk_size=\"auto\" (or such a "
+            f'chunkop.plan: expected a chunkop transform made with chunk_size="auto" (or such a '
             f"RowOperator), got {f!r}."
         )
     leaves, treedef, axes, paths = f._flat_arguments(args, kwargs)

@@ -27,9 +27,7 @@ def _fmt(structs: Any) -> str:
 def _as_struct_tree(in_structure: Any) -> tuple[tuple, Any]:
     def to_struct(s: Any) -> jax.ShapeDtypeStruct:
         if not hasattr(s, "shape") or not hasattr(s, "dtype"):
-            raise TypeError(
-                f"RowOperator: `in_structure` leaves must be jax.ShapeDtypeStruct (or arrays), got {s!r}."
-            )
+            raise TypeError(f"RowOperator: `in_structure` leaves must be jax.ShapeDtypeStruct (or arrays), got {s!r}.")
         if not jnp.issubdtype(s.dtype, jnp.inexact):
             raise TypeError(f"RowOperator: `in_structure` must describe float arrays, got dtype {s.dtype}.")
         return jax.ShapeDtypeStruct(tuple(s.shape), jnp.dtype(s.dtype))
@@ -401,7 +399,7 @@ def _dense(base: AbstractRowOperator) -> jax.Array:
     flat_x, unravel_x = ravel_pytree(x0)
 
     def row_matrix(row: Any) -> jax.Array:
-        f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]  # noqa: E731
+        f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]
         return linear_jacobian(f, flat_x)  # (row_out_size, in_size); exact: f is linear
 
     blocks = vmap(row_matrix, chunk_size=base.chunk_size)(base.rows)

@@ -62,7 +62,9 @@ class Spec:
     no key: its spec is equal only to itself.
     """
 
-    jaxpr: Any = dataclasses.field(repr=False)  # open jaxpr: constvars = the closed-over arrays; invars = row leaves, x leaves
+    jaxpr: Any = dataclasses.field(
+        repr=False
+    )  # open jaxpr: constvars = the closed-over arrays; invars = row leaves, x leaves
     chunk_size: int
     in_leaves: tuple  # ShapeDtypeStructs of x's leaves
     in_tree: Any  # x's treedef
@@ -155,9 +157,7 @@ def _zeros(structure: Any) -> Any:
 # -- the chunk loop -------------------------------------------------------------------------------
 
 
-def _chunk_loop(
-    per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum_like: Any = None
-) -> Any:
+def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum_like: Any = None) -> Any:
     """Run ``per_chunk(chunk, unmapped)`` over chunks of ``spec.chunk_size`` rows of ``mapped``.
 
     Stacks the per-chunk outputs (leading axis ``n_rows``), or, with ``sum_like`` (a pytree of
@@ -226,9 +226,9 @@ def _transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any, split: bool
     """
     if split:
         fn, weights = _linear_parts(spec, consts, rows_c)
-        f = lambda v: fn(v, *weights)  # noqa: E731
+        f = lambda v: fn(v, *weights)
     else:
-        f = lambda v: spec.vrow_fn(consts, rows_c, v)  # noqa: E731
+        f = lambda v: spec.vrow_fn(consts, rows_c, v)
     (ct,) = jax.linear_transpose(f, spec.in_structure())(y_c)
     return ct
 
@@ -324,7 +324,9 @@ def _linear_rule(kernel_dparams: Callable, self_fn: Callable) -> Callable:
         out = self_fn(spec, consts, rows, v)
         terms = []
         if not all(_is_zero(t) for t in _tu.tree_leaves(dv, is_leaf=_is_zero)):
-            dv = _tu.tree_map(lambda t, p: jnp.zeros(np.shape(p), _dtype(p)) if _is_zero(t) else t, dv, v, is_leaf=_is_zero)
+            dv = _tu.tree_map(
+                lambda t, p: jnp.zeros(np.shape(p), _dtype(p)) if _is_zero(t) else t, dv, v, is_leaf=_is_zero
+            )
             terms.append(self_fn(spec, consts, rows, dv))
         dconsts, c_nonzero = _float_tangents(consts, dconsts)
         drows, r_nonzero = _float_tangents(rows, drows)

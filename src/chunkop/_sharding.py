@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -125,7 +124,7 @@ def mapped_mesh_axes(
     if getattr(_LOCAL, "active", False):
         return None
     found: MeshAxes | None = None
-    for i, (x, a) in enumerate(zip(leaves, axes)):
+    for x, a in zip(leaves, axes):
         if a is None:
             continue
         s = _sharding_of(x)
@@ -157,7 +156,7 @@ def _spec_at(axis: int, names: tuple) -> P:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) or hasattr(x, "shape") and hasattr(x, "dtype")
+    return isinstance(x, jax.Array) or (hasattr(x, "shape") and hasattr(x, "dtype"))
 
 
 def call_sharded(
@@ -182,7 +181,7 @@ def call_sharded(
         ``wrapper(*args, **kwargs)``, with stacked outputs sharded along the mapped axis.
     """
     where = getattr(wrapper, "where", "chunkop")
-    mesh, names = mesh_axes
+    _, names = mesh_axes
     shards = mesh_axes.n_shards
     if n % shards:
         raise ValueError(
@@ -210,8 +209,15 @@ def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n:
 
     try:
         trace_example(
-            wrapper.fun, leaves, treedef, axes, n, axis_name=wrapper.axis_name,
-            chunk_size=n // mesh_axes.n_shards, remat=False, where=wrapper.where,
+            wrapper.fun,
+            leaves,
+            treedef,
+            axes,
+            n,
+            axis_name=wrapper.axis_name,
+            chunk_size=n // mesh_axes.n_shards,
+            remat=False,
+            where=wrapper.where,
         )
     except ValueError as e:
         if "collective" not in str(e):
@@ -333,7 +339,7 @@ def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
         s = _sharding_of(x)
         have = tuple(s.spec) if s is not None else ()
         want = tuple(spec)
-        pad = lambda t: t + (None,) * (max(len(have), len(want)) - len(t))  # noqa: E731
+        pad = lambda t: t + (None,) * (max(len(have), len(want)) - len(t))
         if pad(have) == pad(want):
             return x
         return jax.sharding.reshard(x, spec)
@@ -383,16 +389,24 @@ def sharded_apply(apply: Callable, spec: Any, consts: Any, rows: Any, x: Any, me
     names = mesh_axes.names
     _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
     row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
 
     def local(c: Any, r: Any, v: Any) -> Any:
         with _inside_local():
             return apply(spec, c, r, v)
 
-    consts, rows, x = _conform(consts, rep(consts), mesh_axes), _conform(rows, row_specs, mesh_axes), _conform(x, rep(x), mesh_axes)
+    consts, rows, x = (
+        _conform(consts, rep(consts), mesh_axes),
+        _conform(rows, row_specs, mesh_axes),
+        _conform(x, rep(x), mesh_axes),
+    )
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, rep(x)), out_specs=_spec_at(0, names),
-        axis_names=set(names), check_vma=False,
+        local,
+        mesh=mesh_axes.mesh,
+        in_specs=(rep(consts), row_specs, rep(x)),
+        out_specs=_spec_at(0, names),
+        axis_names=set(names),
+        check_vma=False,
     )(consts, rows, x)
 
 
@@ -416,15 +430,23 @@ def sharded_apply_transpose(
     _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
     row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
     y_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), y)
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
 
     def local(c: Any, r: Any, w: Any) -> Any:
         with _inside_local():
             part = apply_transpose(spec, c, r, w)
         return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), part)
 
-    consts, rows, y = _conform(consts, rep(consts), mesh_axes), _conform(rows, row_specs, mesh_axes), _conform(y, y_specs, mesh_axes)
+    consts, rows, y = (
+        _conform(consts, rep(consts), mesh_axes),
+        _conform(rows, row_specs, mesh_axes),
+        _conform(y, y_specs, mesh_axes),
+    )
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=(rep(consts), row_specs, y_specs), out_specs=P(),
-        axis_names=set(names), check_vma=False,
+        local,
+        mesh=mesh_axes.mesh,
+        in_specs=(rep(consts), row_specs, y_specs),
+        out_specs=P(),
+        axis_names=set(names),
+        check_vma=False,
     )(consts, rows, y)
