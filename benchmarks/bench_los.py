@@ -59,7 +59,7 @@ from jax.experimental import sparse
 import chunkop
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "astro_los"))
-import los  # noqa: E402
+import los
 
 METHODS = ("chunkop", "jax.vmap", "lax.map", "custom_vjp", "BCOO", "lineax.Function")
 OPS = ("matvec", "transpose", "grad", "hvp")
@@ -269,9 +269,7 @@ def time_round_robin(execs: dict, args: dict, repeats: int, budget_s: float) -> 
             t0 = time.perf_counter()
             jax.block_until_ready(execs[k](*args[k]))
             samples[k].append(time.perf_counter() - t0)
-    return {
-        k: {"median_s": statistics.median(s), "min_s": min(s), "repeats": len(s)} for k, s in samples.items()
-    }
+    return {k: {"median_s": statistics.median(s), "min_s": min(s), "repeats": len(s)} for k, s in samples.items()}
 
 
 def machine() -> dict:
@@ -339,12 +337,15 @@ def capabilities(wl: Workload, n: int) -> dict:
     tests = {
         "jax.jvp in x (forward mode)": lambda f, rows, x, y: jax.jvp(lambda v: f(rows, v), (x,), (x,))[1],
         "jax.linear_transpose": lambda f, rows, x, y: jax.linear_transpose(lambda v: f(rows, v), wl.x_struct)(y)[0],
-        "grad w.r.t. s (row data)": lambda f, rows, x, y: jax.grad(
-            lambda s: jnp.sum(f({**rows, "s": s}, x) ** 2))(rows["s"]),
+        "grad w.r.t. s (row data)": lambda f, rows, x, y: jax.grad(lambda s: jnp.sum(f({**rows, "s": s}, x) ** 2))(
+            rows["s"]
+        ),
         "hvp w.r.t. s (fwd-over-rev)": lambda f, rows, x, y: jax.jvp(
-            jax.grad(lambda s: jnp.sum(f({**rows, "s": s}, x) ** 2)), (rows["s"],), (rows["s"],))[1],
+            jax.grad(lambda s: jnp.sum(f({**rows, "s": s}, x) ** 2)), (rows["s"],), (rows["s"],)
+        )[1],
         "reverse-over-reverse (grad of a grad-norm)": lambda f, rows, x, y: jax.grad(
-            lambda v: jnp.sum(jax.grad(lambda u: jnp.sum(f(rows, u) ** 2))(v) ** 2))(x),
+            lambda v: jnp.sum(jax.grad(lambda u: jnp.sum(f(rows, u) ** 2))(v) ** 2)
+        )(x),
     }
     M = jax.jit(wl.build_bcoo)(rows)
     fns["BCOO"] = lambda M, v: M @ v.reshape(-1)
@@ -357,7 +358,7 @@ def capabilities(wl: Workload, n: int) -> dict:
                 continue
             try:
                 jax.block_until_ready(
-                    jax.jit(lambda st, x, y: test(fns[m], st, x, y))(M if m == "BCOO" else rows, x, data["y"])  # noqa: B023
+                    jax.jit(lambda st, x, y: test(fns[m], st, x, y))(M if m == "BCOO" else rows, x, data["y"])
                 )
                 out[m][name] = "ok"
             except Exception as e:  # noqa: BLE001
@@ -368,15 +369,23 @@ def capabilities(wl: Workload, n: int) -> dict:
 def run(cfg: argparse.Namespace) -> dict:
     wl = Workload(cfg.n_pix, cfg.n_bins, cfg.chunk)
     res: dict = {
-        "config": {"n_pix": cfg.n_pix, "n_bins": cfg.n_bins, "chunk": cfg.chunk, "n_los": cfg.n_los,
-                   "mem_limit_gib": cfg.mem_limit_gib, "repeats": cfg.repeats},
+        "config": {
+            "n_pix": cfg.n_pix,
+            "n_bins": cfg.n_bins,
+            "chunk": cfg.chunk,
+            "n_los": cfg.n_los,
+            "mem_limit_gib": cfg.mem_limit_gib,
+            "repeats": cfg.repeats,
+        },
         "machine": machine(),
         "results": [],
         "bcoo_build": [],
     }
     log(f"machine: {res['machine']}")
-    log(f"sky {cfg.n_pix} x {cfg.n_bins} ({cfg.n_pix * cfg.n_bins * 4 / MiB:.0f} MiB), chunk {cfg.chunk}, "
-        f"n_los {cfg.n_los}")
+    log(
+        f"sky {cfg.n_pix} x {cfg.n_bins} ({cfg.n_pix * cfg.n_bins * 4 / MiB:.0f} MiB), chunk {cfg.chunk}, "
+        f"n_los {cfg.n_los}"
+    )
     limit = cfg.mem_limit_gib * GiB
     res["agreement_with_vmap"] = check_agreement(wl, 2 * cfg.chunk + 123, jax.jit(wl.build_bcoo))
     log(f"max relative deviation from jax.vmap: {res['agreement_with_vmap']}")
@@ -397,10 +406,11 @@ def run(cfg: argparse.Namespace) -> dict:
             build_s = min(build_s, time.perf_counter() - t0)
         else:
             build_s = None
-        res["bcoo_build"].append({"n_los": n, **build_mem, "run_s": build_s,
-                                  "matrix_bytes": build_mem["output_bytes"]})
-        log(f"  BCOO build: {build_mem['output_bytes'] / MiB:.0f} MiB matrix, temp "
-            f"{build_mem['temp_bytes'] / MiB:.0f} MiB, {build_s if build_s is None else round(build_s, 3)} s")
+        res["bcoo_build"].append({"n_los": n, **build_mem, "run_s": build_s, "matrix_bytes": build_mem["output_bytes"]})
+        log(
+            f"  BCOO build: {build_mem['output_bytes'] / MiB:.0f} MiB matrix, temp "
+            f"{build_mem['temp_bytes'] / MiB:.0f} MiB, {build_s if build_s is None else round(build_s, 3)} s"
+        )
         for op in OPS:
             execs, args, entries = {}, {}, {}
             for method in METHODS:
@@ -434,9 +444,7 @@ def run(cfg: argparse.Namespace) -> dict:
                         entries[method]["status"] = f"fails at run time: {type(e).__name__}"
                 for method, t in timings.items():
                     entries[method].update(t)
-            line = "  ".join(
-                f"{m}: {fmt_cell(entries[m])}" for m in METHODS
-            )
+            line = "  ".join(f"{m}: {fmt_cell(entries[m])}" for m in METHODS)
             log(f"  {op:9s} {line}")
         del data, M
     return res
@@ -476,14 +484,17 @@ def markdown(res: dict) -> str:
                 cells.append(fmt_cell(e))
             lines.append(f"| {n} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append("**Agreement with jax.vmap** (max |result - vmap's| / max |vmap's|, n_los = "
-                 f"{2 * cfg['chunk'] + 123}: not a multiple of the chunk)")
+    lines.append(
+        "**Agreement with jax.vmap** (max |result - vmap's| / max |vmap's|, n_los = "
+        f"{2 * cfg['chunk'] + 123}: not a multiple of the chunk)"
+    )
     lines.append("")
     lines.append("| method | " + " | ".join(OPS) + " |")
     lines.append("|---|" + "---|" * len(OPS))
     for m, errs in res["agreement_with_vmap"].items():
-        lines.append(f"| {m} | " + " | ".join(
-            f"{v:.1e}" if isinstance(v, float) else v for v in (errs[o] for o in OPS)) + " |")
+        lines.append(
+            f"| {m} | " + " | ".join(f"{v:.1e}" if isinstance(v, float) else v for v in (errs[o] for o in OPS)) + " |"
+        )
     lines.append("")
     caps = res["capabilities"]
     names = list(next(iter(caps.values())))
@@ -529,8 +540,15 @@ def plot(res: dict, out: Path) -> list:
                     if e["method"] == m and e["op"] == op and key in e and e[key] > 0
                 ]
                 if pts:
-                    ax.loglog(*zip(*pts), marker="os^vDx"[i], ls="-" if i % 2 == 0 else "--", color=f"C{i}",
-                              label=m, lw=2.5 if m == "chunkop" else 1.2, ms=6 if m == "chunkop" else 4)
+                    ax.loglog(
+                        *zip(*pts),
+                        marker="os^vDx"[i],
+                        ls="-" if i % 2 == 0 else "--",
+                        color=f"C{i}",
+                        label=m,
+                        lw=2.5 if m == "chunkop" else 1.2,
+                        ms=6 if m == "chunkop" else 4,
+                    )
             ax.set_title(op)
             ax.set_xlabel("n_los")
             ax.set_xticks(ns)
@@ -552,8 +570,12 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--chunk", type=int, default=4096)
-    p.add_argument("--mem-limit-gib", type=float, default=6.0,
-                   help="run a configuration only if temp + argument + output memory is below this")
+    p.add_argument(
+        "--mem-limit-gib",
+        type=float,
+        default=6.0,
+        help="run a configuration only if temp + argument + output memory is below this",
+    )
     p.add_argument("--replot", action="store_true", help="only redo los.md and the PNGs from OUT/los.json")
     a = p.parse_args(argv)
     if a.replot:

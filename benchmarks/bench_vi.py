@@ -184,7 +184,10 @@ def run(method: str, size: str, seed: int = 0) -> dict:
 def _subprocess_run(method: str, size: str) -> dict:
     out = subprocess.run(
         [sys.executable, __file__, "--single", method, "--size", size],
-        capture_output=True, text=True, check=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -205,7 +208,7 @@ def main() -> None:
     load_before = os.getloadavg()
     runs: dict[str, list] = {"chunkop": [], "jax.vmap": []}
     for r in range(repeats):
-        for method in (("chunkop", "jax.vmap") if r % 2 == 0 else ("jax.vmap", "chunkop")):
+        for method in ("chunkop", "jax.vmap") if r % 2 == 0 else ("jax.vmap", "chunkop"):
             res = _subprocess_run(method, size)
             runs[method].append(res)
             print(

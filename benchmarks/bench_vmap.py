@@ -96,23 +96,28 @@ def example_loss(params: list, x: jax.Array, y: jax.Array) -> jax.Array:
 
 def make_method(name: str, chunk: int) -> Callable:
     """A freshly built ``f(params, x, y) -> summed loss`` (fresh closures: no tracing cache hits)."""
-    loss = lambda p, x, y: example_loss(p, x, y)  # noqa: E731  (new identity every time)
+    loss = lambda p, x, y: example_loss(p, x, y)
 
     if name in ("jax.vmap", AA):
+
         def f(p, x, y):
             return jax.vmap(loss, in_axes=(None, 0, 0))(p, x, y).sum()
     elif name == "lax.map":
+
         def f(p, x, y):
             return jax.lax.map(lambda xy: loss(p, *xy), (x, y), batch_size=chunk).sum()
     elif name == "batchify":
+
         def f(p, x, y):
             v = jax.vmap(loss, in_axes=(None, 0, 0))
             n = x.shape[0]
             return jnp.concatenate([v(p, x[i : i + chunk], y[i : i + chunk]) for i in range(0, n, chunk)]).sum()
     elif name == "chunkop":
+
         def f(p, x, y):
             return chunkop.vmap(loss, in_axes=(None, 0, 0), chunk_size=chunk)(p, x, y).sum()
     elif name == "chunkop(remat=False)":
+
         def f(p, x, y):
             return chunkop.vmap(loss, in_axes=(None, 0, 0), chunk_size=chunk, remat=False)(p, x, y).sum()
     else:  # pragma: no cover
@@ -123,9 +128,12 @@ def make_method(name: str, chunk: int) -> Callable:
 def make_args(n: int, concrete: bool):
     params = init_params(jax.random.key(0))
     if not concrete:
-        sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-        return (jax.tree_util.tree_map(sds, params), jax.ShapeDtypeStruct((n, SIZES[0]), jnp.float32),
-                jax.ShapeDtypeStruct((n,), jnp.int32))
+        sds = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)
+        return (
+            jax.tree_util.tree_map(sds, params),
+            jax.ShapeDtypeStruct((n, SIZES[0]), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.int32),
+        )
     kx, ky = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (n, SIZES[0]), jnp.float32)
     y = jax.random.randint(ky, (n,), 0, SIZES[-1], jnp.int32)
@@ -247,14 +255,17 @@ def chunk_sweep(n: int, chunks: list, cfg: argparse.Namespace) -> dict:
     args_c, args_s = make_args(n, concrete=True), make_args(n, concrete=False)
     res: dict = {"n": n, "chunks": chunks}
     for mode in MODES:
-        metas = {("jax.vmap", 0): compile_cached("jax.vmap", mode, 0, args_s, 1),
-                 (AA, 0): compile_cached(AA, mode, 0, args_s, 1)}
+        metas = {
+            ("jax.vmap", 0): compile_cached("jax.vmap", mode, 0, args_s, 1),
+            (AA, 0): compile_cached(AA, mode, 0, args_s, 1),
+        }
         for chunk in chunks:
             for name in SWEEP_METHODS:
                 metas[(name, chunk)] = compile_cached(name, mode, chunk, args_s, cfg.compile_repeats)
         t0 = time.perf_counter()
-        times = time_round_robin({k: m["exec"] for k, m in metas.items()}, args_c, min_reps(cfg, mode),
-                                 cfg.max_repeats, cfg.budget_s)
+        times = time_round_robin(
+            {k: m["exec"] for k, m in metas.items()}, args_c, min_reps(cfg, mode), cfg.max_repeats, cfg.budget_s
+        )
         log(f"  {mode}: timed {len(metas)} executables round-robin in {time.perf_counter() - t0:.1f}s")
         base = times[("jax.vmap", 0)]
         res[mode] = [_row(metas[k], times[k], base, method=k[0], chunk=k[1]) for k in metas]
@@ -299,11 +310,22 @@ def n_sweep(ns: list, mem_only_ns: list, chunk: int, cfg: argparse.Namespace) ->
             times = None
             t0 = time.perf_counter()
             if timed:
-                times = time_round_robin({k: m["exec"] for k, m in metas.items()}, args_c, min_reps(cfg, mode),
-                                         cfg.max_repeats, cfg.budget_s)
+                times = time_round_robin(
+                    {k: m["exec"] for k, m in metas.items()}, args_c, min_reps(cfg, mode), cfg.max_repeats, cfg.budget_s
+                )
             for name, meta in metas.items():
-                rows.append(_row(meta, times and times[name], times and times["jax.vmap"],
-                                 n=n, mode=mode, method=name, chunk=chunk, timed=timed))
+                rows.append(
+                    _row(
+                        meta,
+                        times and times[name],
+                        times and times["jax.vmap"],
+                        n=n,
+                        mode=mode,
+                        method=name,
+                        chunk=chunk,
+                        timed=timed,
+                    )
+                )
             log(f"  N={n:>7} {mode:>4}: " + (f"timed in {time.perf_counter() - t0:.1f}s" if timed else "compile only"))
     return rows
 
@@ -338,8 +360,10 @@ def table_n(rows: list) -> str:
             if name == AA and f is None:
                 continue
             if f is None and g is None:
-                lines.append(f"| {n} | {name} | skipped: N/chunk > {BATCHIFY_MAX_SLICES} slices (compile time "
-                             f"grows with N/chunk) |" + " |" * 9)
+                lines.append(
+                    f"| {n} | {name} | skipped: N/chunk > {BATCHIFY_MAX_SLICES} slices (compile time "
+                    f"grows with N/chunk) |" + " |" * 9
+                )
                 continue
             lines.append(
                 f"| {n} | {name} | {fmt(f, 'temp_bytes', '.1f', 1 / MiB)} | {fmt(g, 'temp_bytes', '.1f', 1 / MiB)} "
@@ -351,14 +375,18 @@ def table_n(rows: list) -> str:
 
 
 def table_vg(rows: list, n: int) -> str:
-    lines = ["| method | value_and_grad ms | x vmap | temp MiB | while loops (grad / value_and_grad) |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| method | value_and_grad ms | x vmap | temp MiB | while loops (grad / value_and_grad) |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name in METHODS + (AA,):
         r, g = find(rows, n, "vg", name), find(rows, n, "grad", name)
         if r is None:
             continue
-        lines.append(f"| {name} | {fmt_ms(r)} | {fmt(r, 'throughput_vs_vmap', '.2f')} "
-                     f"| {fmt(r, 'temp_bytes', '.1f', 1 / MiB)} | {g['while_loops']} / {r['while_loops']} |")
+        lines.append(
+            f"| {name} | {fmt_ms(r)} | {fmt(r, 'throughput_vs_vmap', '.2f')} "
+            f"| {fmt(r, 'temp_bytes', '.1f', 1 / MiB)} | {g['while_loops']} / {r['while_loops']} |"
+        )
     return "\n".join(lines)
 
 
@@ -376,9 +404,12 @@ def table_chunk(sweep: dict) -> str:
     ]
     for c in sweep["chunks"]:
         cells = [f"{sweep_get(sweep, m, name, c)['throughput_vs_vmap']:.2f}" for name in SWEEP_METHODS for m in MODES]
-        lines.append(f"| {c} | " + " | ".join(cells)
-                     + f" | {sweep_get(sweep, 'grad', 'chunkop', c)['temp_bytes'] / MiB:.1f}"
-                     + f" | {sweep_get(sweep, 'grad', 'lax.map', c)['temp_bytes'] / MiB:.1f} |")
+        lines.append(
+            f"| {c} | "
+            + " | ".join(cells)
+            + f" | {sweep_get(sweep, 'grad', 'chunkop', c)['temp_bytes'] / MiB:.1f}"
+            + f" | {sweep_get(sweep, 'grad', 'lax.map', c)['temp_bytes'] / MiB:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -388,7 +419,11 @@ def evaluate(rows: list, sweep: dict, chunk: int) -> dict:
     n_max = max(timed_ns)
     out: dict = {"chunk": chunk, "n": n_max}
     for mode in MODES + ("vg",):
-        c, v, lm = find(rows, n_max, mode, "chunkop"), find(rows, n_max, mode, "jax.vmap"), find(rows, n_max, mode, "lax.map")
+        c, v, lm = (
+            find(rows, n_max, mode, "chunkop"),
+            find(rows, n_max, mode, "jax.vmap"),
+            find(rows, n_max, mode, "lax.map"),
+        )
         out[f"{mode}_vs_vmap"] = c["throughput_vs_vmap"]
         out[f"{mode}_vs_vmap_remat_false"] = find(rows, n_max, mode, "chunkop(remat=False)")["throughput_vs_vmap"]
         out[f"{mode}_vs_laxmap"] = lm["median_s"] / c["median_s"]
@@ -406,18 +441,45 @@ def evaluate(rows: list, sweep: dict, chunk: int) -> dict:
             if n <= chunk:
                 continue
             for mode in MODES + (("vg",) if n == n_max else ()):
-                slow, ratio, tol = slower_beyond_noise(find(rows, n, mode, variant), find(rows, n, mode, "lax.map"),
-                                                       find(rows, n, mode, AA), find(rows, n, mode, "jax.vmap"))
-                comps.append({"where": f"N={n} C={chunk}", "n": n, "chunk": chunk, "variant": variant,
-                              "mode": mode, "time_ratio": ratio, "tol": tol, "slower": slow})
+                slow, ratio, tol = slower_beyond_noise(
+                    find(rows, n, mode, variant),
+                    find(rows, n, mode, "lax.map"),
+                    find(rows, n, mode, AA),
+                    find(rows, n, mode, "jax.vmap"),
+                )
+                comps.append(
+                    {
+                        "where": f"N={n} C={chunk}",
+                        "n": n,
+                        "chunk": chunk,
+                        "variant": variant,
+                        "mode": mode,
+                        "time_ratio": ratio,
+                        "tol": tol,
+                        "slower": slow,
+                    }
+                )
         if variant in SWEEP_METHODS:
             for c in sweep["chunks"]:
                 for mode in MODES:
-                    slow, ratio, tol = slower_beyond_noise(sweep_get(sweep, mode, variant, c),
-                                                           sweep_get(sweep, mode, "lax.map", c),
-                                                           sweep_get(sweep, mode, AA, 0), sweep_get(sweep, mode, "jax.vmap", 0))
-                    comps.append({"where": f"N={sweep['n']} C={c}", "n": sweep["n"], "chunk": c, "variant": variant,
-                                  "mode": mode, "time_ratio": ratio, "tol": tol, "slower": slow})
+                    slow, ratio, tol = slower_beyond_noise(
+                        sweep_get(sweep, mode, variant, c),
+                        sweep_get(sweep, mode, "lax.map", c),
+                        sweep_get(sweep, mode, AA, 0),
+                        sweep_get(sweep, mode, "jax.vmap", 0),
+                    )
+                    comps.append(
+                        {
+                            "where": f"N={sweep['n']} C={c}",
+                            "n": sweep["n"],
+                            "chunk": c,
+                            "variant": variant,
+                            "mode": mode,
+                            "time_ratio": ratio,
+                            "tol": tol,
+                            "slower": slow,
+                        }
+                    )
     out["laxmap_comparisons"] = comps
     set_laxmap_flags(out)
 
@@ -428,16 +490,20 @@ def evaluate(rows: list, sweep: dict, chunk: int) -> dict:
     growth, hlo = {}, {}
     for name in METHODS:
         for mode in MODES:
-            pts = sorted((r["n"], r["compile_s"], r["hlo_instrs"]) for r in rows
-                         if r["method"] == name and r["mode"] == mode and r["n"] > chunk and r["n"] % chunk == 0)
+            pts = sorted(
+                (r["n"], r["compile_s"], r["hlo_instrs"])
+                for r in rows
+                if r["method"] == name and r["mode"] == mode and r["n"] > chunk and r["n"] % chunk == 0
+            )
             if len(pts) >= 2:
                 growth[f"{name} {mode}"] = pts[-1][1] / pts[0][1]
                 hlo[f"{name} {mode}"] = (pts[0][2], pts[-1][2])
     out["compile_growth"] = growth
     out["hlo_instrs_first_last"] = hlo
     chunkop_keys = [k for k in growth if k.startswith("chunkop")]
-    out["compile_flat_hlo_met"] = (all(hlo[k][1] <= HLO_FLAT_TOL * hlo[k][0] for k in chunkop_keys)
-                                   if chunkop_keys else None)
+    out["compile_flat_hlo_met"] = (
+        all(hlo[k][1] <= HLO_FLAT_TOL * hlo[k][0] for k in chunkop_keys) if chunkop_keys else None
+    )
     out["compile_flat_time_met"] = all(growth[k] < COMPILE_FLAT_TOL for k in chunkop_keys) if chunkop_keys else None
     return out
 
@@ -459,15 +525,21 @@ def confirm_slower(ev: dict, cfg: argparse.Namespace) -> None:
         if not c["slower"]:
             continue
         args_s, args_c = make_args(c["n"], concrete=False), make_args(c["n"], concrete=True)
-        execs = {name: compile_cached(name, c["mode"], c["chunk"] if name in (c["variant"], "lax.map") else 0,
-                                      args_s, cfg.compile_repeats)["exec"]
-                 for name in (c["variant"], "lax.map", "jax.vmap", AA)}
+        execs = {
+            name: compile_cached(
+                name, c["mode"], c["chunk"] if name in (c["variant"], "lax.map") else 0, args_s, cfg.compile_repeats
+            )["exec"]
+            for name in (c["variant"], "lax.map", "jax.vmap", AA)
+        }
         t = time_round_robin(execs, args_c, 2 * min_reps(cfg, c["mode"]), 2 * cfg.max_repeats, 2 * cfg.budget_s)
         slow, ratio, tol = slower_beyond_noise(t[c["variant"]], t["lax.map"], t[AA], t["jax.vmap"])
-        c.update(first_time_ratio=c["time_ratio"], first_tol=c["tol"], time_ratio=ratio, tol=tol, slower=slow,
-                 rechecked=True)
-        log(f"  re-timed {c['variant']} vs lax.map, {c['mode']} at {c['where']}: first {c['first_time_ratio']:.2f} "
-            f"(tol {c['first_tol']:.2f}), again {ratio:.2f} (tol {tol:.2f}) -> {'slower' if slow else 'within noise'}")
+        c.update(
+            first_time_ratio=c["time_ratio"], first_tol=c["tol"], time_ratio=ratio, tol=tol, slower=slow, rechecked=True
+        )
+        log(
+            f"  re-timed {c['variant']} vs lax.map, {c['mode']} at {c['where']}: first {c['first_time_ratio']:.2f} "
+            f"(tol {c['first_tol']:.2f}), again {ratio:.2f} (tol {tol:.2f}) -> {'slower' if slow else 'within noise'}"
+        )
     set_laxmap_flags(ev)
 
 
@@ -479,21 +551,32 @@ def plot(rows: list, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     styles = {"jax.vmap": "o-", "lax.map": "s--", "batchify": "^-.", "chunkop": "D-", "chunkop(remat=False)": "v:"}
-    panels = ((axes[0], "temp_bytes", 1 / MiB, "grad: compiled temp memory", "temp MiB"),
-              (axes[1], "median_s", 1e3, "grad: run time (median)", "ms"),
-              (axes[2], "compile_s", 1.0, "grad: lower+compile time", "s"))
+    panels = (
+        (axes[0], "temp_bytes", 1 / MiB, "grad: compiled temp memory", "temp MiB"),
+        (axes[1], "median_s", 1e3, "grad: run time (median)", "ms"),
+        (axes[2], "compile_s", 1.0, "grad: lower+compile time", "s"),
+    )
     for name in METHODS:
         for ax, key, scale, _, _ in panels:
-            pts = sorted((r["n"], r[key] * scale) for r in rows
-                         if r["method"] == name and r["mode"] == "grad" and key in r and r[key] > 0)
+            pts = sorted(
+                (r["n"], r[key] * scale)
+                for r in rows
+                if r["method"] == name and r["mode"] == "grad" and key in r and r[key] > 0
+            )
             if pts:
                 ax.plot(*zip(*pts), styles[name], label=name)
     chunk = rows[0]["chunk"]
     for r in rows:
         if r["method"] == "chunkop" and r["mode"] == "grad" and r["n"] > chunk and r["n"] % chunk:
-            axes[0].annotate(f"N % {chunk} != 0:\nremainder chunk,\nread by index (no copy)", (r["n"], r["temp_bytes"] / MiB),
-                             textcoords="offset points", xytext=(8, 14), fontsize=7, color="C3",
-                             arrowprops={"arrowstyle": "->", "color": "C3", "lw": 0.7})
+            axes[0].annotate(
+                f"N % {chunk} != 0:\nremainder chunk,\nread by index (no copy)",
+                (r["n"], r["temp_bytes"] / MiB),
+                textcoords="offset points",
+                xytext=(8, 14),
+                fontsize=7,
+                color="C3",
+                arrowprops={"arrowstyle": "->", "color": "C3", "lw": 0.7},
+            )
     for ax, _, _, title, ylabel in panels:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -502,8 +585,11 @@ def plot(rows: list, path: Path) -> None:
         ax.set_title(f"{title}, chunk={chunk}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle("chunkop.vmap vs jax.vmap / lax.map(batch_size) / python-loop batchify: "
-                 "summed per-example loss of a 4-layer MLP, grad w.r.t. params", fontsize=10)
+    fig.suptitle(
+        "chunkop.vmap vs jax.vmap / lax.map(batch_size) / python-loop batchify: "
+        "summed per-example loss of a 4-layer MLP, grad w.r.t. params",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -515,12 +601,22 @@ def plot(rows: list, path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="small N, few repeats (smoke run, 1-2 min on a 2-core machine)")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                   help="directory for vmap.json and vmap_memory.png (default: benchmarks/results)")
-    p.add_argument("--chunk", type=int, default=None, help="use this chunk size in the N sweep instead of the sweep's pick")
-    p.add_argument("--compile-repeats", type=int, default=1,
-                   help="compile each function this many times, report the min (default 1; the optimised-HLO "
-                        "instruction count is the deterministic compile-size measure)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results",
+        help="directory for vmap.json and vmap_memory.png (default: benchmarks/results)",
+    )
+    p.add_argument(
+        "--chunk", type=int, default=None, help="use this chunk size in the N sweep instead of the sweep's pick"
+    )
+    p.add_argument(
+        "--compile-repeats",
+        type=int,
+        default=1,
+        help="compile each function this many times, report the min (default 1; the optimised-HLO "
+        "instruction count is the deterministic compile-size measure)",
+    )
     cfg = p.parse_args(argv)
     if cfg.quick:
         ns, mem_only, chunks = [256, 1024, 5000], [4096, 16384], [64, 256, 1024]
@@ -532,18 +628,29 @@ def main(argv=None) -> int:
     cfg.batchify_max_slices = BATCHIFY_MAX_SLICES
     cfg.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    env = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-           "cpu_count": os.cpu_count(), "loadavg_start": os.getloadavg(), "python": sys.version.split()[0],
-           "platform": platform.platform(), "quick": cfg.quick}
-    log(f"# chunkop.vmap benchmark  (jax {env['jax']}, {env['backend']}, {env['cpu_count']} cpus, "
-        f"load average {env['loadavg_start'][0]:.1f}, {'quick' if cfg.quick else 'full'})")
+    env = {
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "cpu_count": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "quick": cfg.quick,
+    }
+    log(
+        f"# chunkop.vmap benchmark  (jax {env['jax']}, {env['backend']}, {env['cpu_count']} cpus, "
+        f"load average {env['loadavg_start'][0]:.1f}, {'quick' if cfg.quick else 'full'})"
+    )
     log(f"MLP {SIZES}, summed per-example cross-entropy; params unmapped, x/y mapped; grad = w.r.t. params")
 
     sweep = chunk_sweep(max(ns), chunks, cfg)
     best, pick = pick_chunk(sweep)
     chunk = cfg.chunk or best
-    log(f"  good chunk size (geomean of chunkop's fwd and grad throughput vs jax.vmap): {best}; "
-        f"best for fwd {pick['best_fwd_chunk']}, for grad {pick['best_grad_chunk']}; using {chunk}")
+    log(
+        f"  good chunk size (geomean of chunkop's fwd and grad throughput vs jax.vmap): {best}; "
+        f"best for fwd {pick['best_fwd_chunk']}, for grad {pick['best_grad_chunk']}; using {chunk}"
+    )
 
     rows = n_sweep(ns, mem_only, chunk, cfg)
     ev = evaluate(rows, sweep, chunk)
@@ -552,53 +659,85 @@ def main(argv=None) -> int:
 
     log(f"\n## Chunk-size sweep at N={sweep['n']} (throughput relative to jax.vmap, higher is better)\n")
     log(table_chunk(sweep))
-    log(f"\n## N sweep at chunk_size={chunk} (time: median ± MAD of interleaved repeats; "
+    log(
+        f"\n## N sweep at chunk_size={chunk} (time: median ± MAD of interleaved repeats; "
         f"N={mem_only} compile only; compile s: chunkop at N divisible by the chunk min of "
         f"{max(cfg.compile_repeats, 3)} builds, others "
-        + (f"min of {cfg.compile_repeats}" if cfg.compile_repeats > 1 else "one build") + ")\n")
+        + (f"min of {cfg.compile_repeats}" if cfg.compile_repeats > 1 else "one build")
+        + ")\n"
+    )
     log(table_n(rows))
     log(f"\n## value_and_grad at N={ev['n']}, chunk_size={chunk}\n")
     log(table_vg(rows, ev["n"]))
 
-    ok = lambda b: "n/a (fewer than two chunked N divisible by the chunk)" if b is None else ("MET" if b else "NOT MET")  # noqa: E731
-    log(f"\n## Ratios at N={ev['n']}, chunk_size={chunk} (measured in the N sweep, independently of the "
-        f"chunk sweep that picked the size)\n")
-    log(f"- forward throughput chunkop / jax.vmap = {ev['fwd_vs_vmap']:.2f}  (target >= {FWD_TARGET}: "
+    ok = lambda b: "n/a (fewer than two chunked N divisible by the chunk)" if b is None else ("MET" if b else "NOT MET")
+    log(
+        f"\n## Ratios at N={ev['n']}, chunk_size={chunk} (measured in the N sweep, independently of the "
+        f"chunk sweep that picked the size)\n"
+    )
+    log(
+        f"- forward throughput chunkop / jax.vmap = {ev['fwd_vs_vmap']:.2f}  (target >= {FWD_TARGET}: "
         f"{ok(ev['fwd_target_met'])});  best-of-repeats {ev['fwd_vs_vmap_min']:.2f};  "
-        f"remat=False {ev['fwd_vs_vmap_remat_false']:.2f}")
-    log(f"- grad    throughput chunkop / jax.vmap = {ev['grad_vs_vmap']:.2f}  (target >= {GRAD_TARGET}: "
+        f"remat=False {ev['fwd_vs_vmap_remat_false']:.2f}"
+    )
+    log(
+        f"- grad    throughput chunkop / jax.vmap = {ev['grad_vs_vmap']:.2f}  (target >= {GRAD_TARGET}: "
         f"{ok(ev['grad_target_met'])});  best-of-repeats {ev['grad_vs_vmap_min']:.2f};  "
-        f"remat=False {ev['grad_vs_vmap_remat_false']:.2f}")
-    log(f"- value_and_grad throughput chunkop / jax.vmap = {ev['vg_vs_vmap']:.2f} (no target);  "
-        f"best-of-repeats {ev['vg_vs_vmap_min']:.2f};  remat=False {ev['vg_vs_vmap_remat_false']:.2f}")
-    log(f"- noise floor, A/A control (second jax.vmap executable) / jax.vmap: fwd {ev['fwd_aa']:.2f}, "
-        f"grad {ev['grad_aa']:.2f}, value_and_grad {ev['vg_aa']:.2f}")
-    log(f"- throughput chunkop / lax.map(batch_size={chunk}): fwd {ev['fwd_vs_laxmap']:.2f}, "
-        f"grad {ev['grad_vs_laxmap']:.2f}, value_and_grad {ev['vg_vs_laxmap']:.2f}")
-    log(f"- never slower than lax.map beyond noise: chunkop {ok(ev['laxmap_target_met'])}; chunkop(remat=False) "
+        f"remat=False {ev['grad_vs_vmap_remat_false']:.2f}"
+    )
+    log(
+        f"- value_and_grad throughput chunkop / jax.vmap = {ev['vg_vs_vmap']:.2f} (no target);  "
+        f"best-of-repeats {ev['vg_vs_vmap_min']:.2f};  remat=False {ev['vg_vs_vmap_remat_false']:.2f}"
+    )
+    log(
+        f"- noise floor, A/A control (second jax.vmap executable) / jax.vmap: fwd {ev['fwd_aa']:.2f}, "
+        f"grad {ev['grad_aa']:.2f}, value_and_grad {ev['vg_aa']:.2f}"
+    )
+    log(
+        f"- throughput chunkop / lax.map(batch_size={chunk}): fwd {ev['fwd_vs_laxmap']:.2f}, "
+        f"grad {ev['grad_vs_laxmap']:.2f}, value_and_grad {ev['vg_vs_laxmap']:.2f}"
+    )
+    log(
+        f"- never slower than lax.map beyond noise: chunkop {ok(ev['laxmap_target_met'])}; chunkop(remat=False) "
         f"{ok(ev['laxmap_target_met_remat_false'])}  ({len(ev['laxmap_comparisons'])} comparisons of the median "
-        f"per-round time ratio; noise tolerance max(5%, 2 standard errors, |A/A - 1|); flags re-timed once)")
-    worst = max((c for c in ev["laxmap_comparisons"] if c["variant"] == "chunkop" and c["mode"] in MODES),
-                key=lambda c: c["time_ratio"])
-    log(f"    largest chunkop/lax.map time ratio: {worst['time_ratio']:.2f} ({worst['mode']} at {worst['where']}, "
-        f"tolerance {worst['tol']:.2f})")
+        f"per-round time ratio; noise tolerance max(5%, 2 standard errors, |A/A - 1|); flags re-timed once)"
+    )
+    worst = max(
+        (c for c in ev["laxmap_comparisons"] if c["variant"] == "chunkop" and c["mode"] in MODES),
+        key=lambda c: c["time_ratio"],
+    )
+    log(
+        f"    largest chunkop/lax.map time ratio: {worst['time_ratio']:.2f} ({worst['mode']} at {worst['where']}, "
+        f"tolerance {worst['tol']:.2f})"
+    )
     for c in ev["laxmap_comparisons"]:
         if c["slower"]:
-            log(f"    slower{' (value_and_grad: not part of the target)' if c['mode'] == 'vg' else ''}: "
+            log(
+                f"    slower{' (value_and_grad: not part of the target)' if c['mode'] == 'vg' else ''}: "
                 f"{c['variant']} {c['mode']} at {c['where']}: time ratio {c['time_ratio']:.2f} "
-                f"> 1 + {c['tol']:.2f}" + (" (confirmed by a re-timing)" if c.get("rechecked") else ""))
+                f"> 1 + {c['tol']:.2f}" + (" (confirmed by a re-timing)" if c.get("rechecked") else "")
+            )
     growth = ", ".join(f"{k} x{v:.2f}" for k, v in ev["compile_growth"].items())
     log(f"- compile time growth over N (chunked N divisible by {chunk}, up to {max(ns + mem_only)}): {growth}")
     hlo = ", ".join(f"{k} {a}->{b}" for k, (a, b) in ev["hlo_instrs_first_last"].items())
     log(f"  optimised-HLO instructions, same span: {hlo}")
-    log(f"  chunkop compile flat in N: HLO size growth < {HLO_FLAT_TOL}x {ok(ev['compile_flat_hlo_met'])}; compile time growth "
-        f"< {COMPILE_FLAT_TOL}x {ok(ev['compile_flat_time_met'])}")
+    log(
+        f"  chunkop compile flat in N: HLO size growth < {HLO_FLAT_TOL}x {ok(ev['compile_flat_hlo_met'])}; "
+        f"compile time growth "
+        f"< {COMPILE_FLAT_TOL}x {ok(ev['compile_flat_time_met'])}"
+    )
 
-    result = {"env": env, "mlp_sizes": SIZES, "chunk_sweep": sweep, "chunk_choice": {"best": best, **pick},
-              "chunk": chunk, "n_sweep": rows, "evaluation": ev,
-              "targets": {"fwd_vs_vmap": FWD_TARGET, "grad_vs_vmap": GRAD_TARGET,
-                          "compile_growth_max": COMPILE_FLAT_TOL},
-              "wall_s": time.perf_counter() - t_start}
+    result = {
+        "env": env,
+        "mlp_sizes": SIZES,
+        "chunk_sweep": sweep,
+        "chunk_choice": {"best": best, **pick},
+        "chunk": chunk,
+        "n_sweep": rows,
+        "evaluation": ev,
+        "targets": {"fwd_vs_vmap": FWD_TARGET, "grad_vs_vmap": GRAD_TARGET, "compile_growth_max": COMPILE_FLAT_TOL},
+        "wall_s": time.perf_counter() - t_start,
+    }
 
     def keyfix(o):  # JSON needs string keys
         if isinstance(o, dict):
@@ -609,8 +748,10 @@ def main(argv=None) -> int:
 
     (cfg.out / "vmap.json").write_text(json.dumps(keyfix(result), indent=1))
     plot(rows, cfg.out / "vmap_memory.png")
-    log(f"\nwrote {cfg.out / 'vmap.json'} and {cfg.out / 'vmap_memory.png'}  "
-        f"(total {time.perf_counter() - t_start:.0f}s)")
+    log(
+        f"\nwrote {cfg.out / 'vmap.json'} and {cfg.out / 'vmap_memory.png'}  "
+        f"(total {time.perf_counter() - t_start:.0f}s)"
+    )
     return 0
 
 

@@ -63,7 +63,9 @@ def rand(*shape: int, seed: int = 0, dtype: Any = np.float32) -> jax.Array:
 
 def rand_like(structure: Any, seed: int) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(structure)
-    return jax.tree_util.tree_unflatten(tree, [rand(*s.shape, seed=seed + i, dtype=s.dtype) for i, s in enumerate(leaves)])
+    return jax.tree_util.tree_unflatten(
+        tree, [rand(*s.shape, seed=seed + i, dtype=s.dtype) for i, s in enumerate(leaves)]
+    )
 
 
 class Case(NamedTuple):
@@ -153,7 +155,9 @@ def _int_rows_closure_row_fn(p: dict) -> Callable:
 
 CASES: dict[str, Case] = {
     # the canonical problem; p enters through rows (d and s)
-    "los": Case(_los_through_rows, lambda p: {**ROWS, "d": p["d"], "s": p["s"]}, STRUCT, {"d": ROWS["d"], "s": ROWS["s"]}),
+    "los": Case(
+        _los_through_rows, lambda p: {**ROWS, "d": p["d"], "s": p["s"]}, STRUCT, {"d": ROWS["d"], "s": ROWS["s"]}
+    ),
     # pytree x and pytree per-row output, closing over a scalar parameter
     "pytree": Case(_pytree_row_fn, lambda p: ROWS, PSTRUCT, {"c": jnp.float32(0.7)}),
     # complex x and weights (phase closed over)

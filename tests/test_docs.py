@@ -63,7 +63,7 @@ def test_markdown_python_blocks_run(path):
     namespace: dict = {"__name__": f"docs.{path.stem}"}
     for line, code in python_blocks(path):
         # Pad with newlines so that tracebacks point at the line of the .md file.
-        exec(compile("\n" * line + code, str(path), "exec"), namespace)  # noqa: S102
+        exec(compile("\n" * line + code, str(path), "exec"), namespace)
 
 
 # ------------------------------------------------------------------------------------------------

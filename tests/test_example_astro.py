@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
-import los  # noqa: E402
-import reconstruct  # noqa: E402
-
+import los
+import reconstruct
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +54,8 @@ def test_operator_matches_unchunked_vmap(tiny):
         # (as the s-scale fit uses them) and a Hessian-vector product in s, for both formulations
         out = {}
         for name, f in (("chunked", chunked), ("unchunked", unchunked)):
-            loss = lambda x, d, s: jnp.sum((f(x, d, s) - y * scale) ** 2)  # noqa: B023,E731
-            (ft,) = jax.linear_transpose(lambda v: f(v, d, s), x)(y)  # noqa: B023
+            loss = lambda x, d, s: jnp.sum((f(x, d, s) - y * scale) ** 2)
+            (ft,) = jax.linear_transpose(lambda v: f(v, d, s), x)(y)
             out[name] = {
                 "mv": f(x, d, s),
                 "T": ft,
@@ -68,9 +67,7 @@ def test_operator_matches_unchunked_vmap(tiny):
 
     out = everything(x, tiny.d, tiny.s, y)
     c, u = out["chunked"], out["unchunked"]
-    close = lambda a, b, rtol: np.testing.assert_allclose(  # noqa: E731
-        a, b, rtol=rtol, atol=1e-5 * float(jnp.max(jnp.abs(b)))
-    )
+    close = lambda a, b, rtol: np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-5 * float(jnp.max(jnp.abs(b))))
     close(c["mv"], u["mv"], 1e-5)
     close(c["T"], u["T"], 1e-4)
     close(out["A.T.mv"], u["T"], 1e-4)

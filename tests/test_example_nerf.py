@@ -51,7 +51,7 @@ def test_scene_and_image_shape(data):
     ds, params = data
     n = CFG.res * CFG.res
     assert ds.images.shape == (2, n, 3) and ds.origins.shape == ds.dirs.shape == (2, n, 3)
-    assert 0.0 <= ds.images.min() and ds.images.max() <= 1.0
+    assert ds.images.min() >= 0.0 and ds.images.max() <= 1.0
     assert (ds.images.sum(-1) > 0).any() and (ds.images.sum(-1) == 0).any()  # objects and sky
     np.testing.assert_allclose(np.linalg.norm(ds.dirs, axis=-1), 1.0, rtol=1e-5)
     img = _render(params, ds.origins[0], ds.dirs[0], None, "chunkop")

@@ -102,7 +102,7 @@ def test_grad_of_jacobian(mode):
 
 
 def test_hessian_from_chunked_jacobians():
-    fun = lambda x: jnp.sum(jnp.sin(x) * jnp.roll(x, 1) ** 2)  # noqa: E731
+    fun = lambda x: jnp.sum(jnp.sin(x) * jnp.roll(x, 1) ** 2)
     x = _rand(9, seed=6)
     expected = jax.hessian(fun)(x)
     assert_tree_allclose(chunkop.jacfwd(chunkop.jacrev(fun, chunk_size=4), chunk_size=2)(x), expected)
@@ -111,7 +111,7 @@ def test_hessian_from_chunked_jacobians():
 
 def test_finite_differences():
     x = _rand(5, seed=7)
-    fun = lambda x: jnp.tanh(jnp.outer(x, x)).sum(1)  # noqa: E731
+    fun = lambda x: jnp.tanh(jnp.outer(x, x)).sum(1)
     eps = 1e-2
     fd = np.stack([(fun(x + eps * e) - fun(x - eps * e)) / (2 * eps) for e in np.eye(5, dtype=np.float32)], 1)
     np.testing.assert_allclose(chunkop.jacrev(fun, chunk_size=2)(x), fd, rtol=2e-3, atol=2e-3)
@@ -120,9 +120,11 @@ def test_finite_differences():
 
 def test_complex_inputs_to_jacrev_and_outputs_of_jacfwd():
     z = (_rand(4, seed=8) + 1j * _rand(4, seed=9)).astype(np.complex64)
-    assert_tree_allclose(chunkop.jacrev(lambda z: jnp.abs(z) ** 2, chunk_size=3)(z), jax.jacrev(lambda z: jnp.abs(z) ** 2)(z))
+    assert_tree_allclose(
+        chunkop.jacrev(lambda z: jnp.abs(z) ** 2, chunk_size=3)(z), jax.jacrev(lambda z: jnp.abs(z) ** 2)(z)
+    )
     x = _rand(4, seed=10)
-    g = lambda x: x * (1 + 2j)  # noqa: E731
+    g = lambda x: x * (1 + 2j)
     assert_tree_allclose(chunkop.jacfwd(g, chunk_size=3)(x), jax.jacfwd(g)(x))
 
 
@@ -152,7 +154,7 @@ def test_wraps():
 @pytest.mark.parametrize("mode", sorted(PAIRS))
 @pytest.mark.parametrize("argnums", [3, -4, (0, 5), 1.5, "a", True])
 def test_bad_argnums(mode, argnums):
-    ours, theirs = PAIRS[mode]
+    ours, _ = PAIRS[mode]
     msg = rf"chunkop\.jac{mode}: `argnums`={re.escape(repr(argnums))} must be int\(s\) indexing the 3 positional"
     with pytest.raises(ValueError, match=msg):
         ours(f_tree, argnums=argnums, chunk_size=2)(D, S, T)
@@ -164,7 +166,9 @@ def test_integer_inputs_rejected(mode):
     x = np.arange(3)
     with pytest.raises(TypeError):
         theirs(lambda x: x * 2)(x)
-    with pytest.raises(TypeError, match=rf"chunkop\.jac{mode}: differentiation requires .*float arguments, got dtype int32"):
+    with pytest.raises(
+        TypeError, match=rf"chunkop\.jac{mode}: differentiation requires .*float arguments, got dtype int32"
+    ):
         ours(lambda x: x * 2, chunk_size=2)(x)
 
 
@@ -173,7 +177,9 @@ def test_jacrev_rejects_complex_and_integer_outputs():
     for fun, dtype in [(lambda x: x * 1j, "complex64"), (lambda x: (x > 0).astype(jnp.int32), "int32")]:
         with pytest.raises(TypeError):
             jax.jacrev(fun)(x)
-        with pytest.raises(TypeError, match=rf"chunkop\.jacrev: differentiation requires real float outputs, got dtype {dtype}"):
+        with pytest.raises(
+            TypeError, match=rf"chunkop\.jacrev: differentiation requires real float outputs, got dtype {dtype}"
+        ):
             chunkop.jacrev(fun, chunk_size=2)(x)
 
 
@@ -181,5 +187,7 @@ def test_jacfwd_rejects_complex_inputs():
     z = np.ones(3, np.complex64)
     with pytest.raises(TypeError):
         jax.jacfwd(jnp.abs)(z)
-    with pytest.raises(TypeError, match=r"chunkop\.jacfwd: differentiation requires real float arguments, got dtype complex64"):
+    with pytest.raises(
+        TypeError, match=r"chunkop\.jacfwd: differentiation requires real float arguments, got dtype complex64"
+    ):
         chunkop.jacfwd(jnp.abs, chunk_size=2)(z)

@@ -47,15 +47,15 @@ def temp_bytes(program: str, mapper: str, n: int) -> int:
         per_example = chunkop.vmap(loss, (None, 0, 0), chunk_size=CHUNK, remat=False)
     else:
         per_example = chunkop.vmap(loss, (None, 0, 0), chunk_size=CHUNK)
-    total = lambda p, x, y: per_example(p, x, y).sum()  # noqa: E731
+    total = lambda p, x, y: per_example(p, x, y).sum()
     if program == "grad":
         f = jax.grad(total)
         args = (PARAMS, *data(n))
     elif program == "jvp":
-        f = lambda p, t, x, y: jax.jvp(lambda p: per_example(p, x, y), (p,), (t,))  # noqa: E731
+        f = lambda p, t, x, y: jax.jvp(lambda p: per_example(p, x, y), (p,), (t,))
         args = (PARAMS, PARAMS, *data(n))
     elif program == "hvp":
-        f = lambda p, t, x, y: jax.jvp(jax.grad(lambda p: total(p, x, y)), (p,), (t,))[1]  # noqa: E731
+        f = lambda p, t, x, y: jax.jvp(jax.grad(lambda p: total(p, x, y)), (p,), (t,))[1]
         args = (PARAMS, PARAMS, *data(n))
     elif program == "sum_grad":
         assert mapper == "chunkop"

@@ -80,7 +80,7 @@ def test_subclass_kernel_mismatch_is_caught_by_check_linear():
 
 
 def test_wrong_vector_is_rejected_with_the_subclass_name():
-    with pytest.raises(ValueError, match="DenseRows.mv: the input does not match"):
+    with pytest.raises(ValueError, match=r"DenseRows\.mv: the input does not match"):
         DenseRows(W).mv(jnp.ones(D + 1))
-    with pytest.raises(ValueError, match="DenseRows.T.mv: the input does not match"):
+    with pytest.raises(ValueError, match=r"DenseRows\.T\.mv: the input does not match"):
         DenseRows(W).T.mv(jnp.ones(N + 1))

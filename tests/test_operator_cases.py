@@ -88,5 +88,5 @@ def test_hessian_vector_product_wrt_parameter(name):
         return f
 
     t = jnp.linspace(0.1, 0.2, flat_p.size, dtype=flat_p.dtype)
-    hvp = lambda f: jax.jvp(jax.grad(f), (flat_p,), (t,))[1]  # noqa: E731
+    hvp = lambda f: jax.jvp(jax.grad(f), (flat_p,), (t,))[1]
     np.testing.assert_allclose(jax.jit(lambda: hvp(make(False)))(), hvp(make(True)), rtol=2e-4, atol=2e-4)

@@ -15,8 +15,8 @@ import lineax as lx
 import numpy as np
 import pytest
 from conftest import assert_tree_allclose
-from operator_registry import BOUNDS, los_row, los_weights, make_los_rows
 from jax.flatten_util import ravel_pytree
+from operator_registry import los_row, los_weights, make_los_rows
 
 import chunkop
 
@@ -218,17 +218,19 @@ def test_other_row_functions(case, chunk):
 
 def test_int_only_rows():
     rows = {"idx": jnp.asarray([0, 3, 3, 6, 1], dtype=jnp.int32)}
-    row_fn = lambda r, x: x[r["idx"]] * 2.0  # noqa: E731  (vector output of length K)
+    row_fn = lambda r, x: x[r["idx"]] * 2.0
     A = chunkop.RowOperator(row_fn, rows, X_STRUCT, chunk_size=2)
     assert_tree_allclose(A.mv(X), reference(row_fn, rows, X))
     y = _rand(5, K, seed=8)
     assert_tree_allclose(A.T.mv(y), reference_T(row_fn, rows, X, y))
-    assert_tree_allclose(jax.grad(lambda x: jnp.sum(A.mv(x) ** 2))(X), jax.grad(lambda x: jnp.sum(reference(row_fn, rows, x) ** 2))(X))
+    assert_tree_allclose(
+        jax.grad(lambda x: jnp.sum(A.mv(x) ** 2))(X), jax.grad(lambda x: jnp.sum(reference(row_fn, rows, x) ** 2))(X)
+    )
 
 
 def test_rows_as_tuple_and_single_array():
     rows_t = (ROWS["idx"], ROWS["d"], ROWS["s"])
-    row_t = lambda r, x: los_row({"idx": r[0], "d": r[1], "s": r[2]}, x)  # noqa: E731
+    row_t = lambda r, x: los_row({"idx": r[0], "d": r[1], "s": r[2]}, x)
     A = chunkop.RowOperator(row_t, rows_t, X_STRUCT, chunk_size=4)
     assert_tree_allclose(A.mv(X), reference(los_row, ROWS, X))
     W = jax.vmap(los_weights)(ROWS)  # (N, K) single-array rows: dense weights on pixel 0
@@ -240,7 +242,7 @@ def test_rows_as_tuple_and_single_array():
 def test_complex_operator():
     rng = np.random.default_rng(9)
     rows = {"idx": ROWS["idx"], "ph": jnp.asarray(rng.normal(size=N), dtype=jnp.float32), "w": ROWS["d"] / 1000.0}
-    row_fn = lambda r, x: r["w"] * jnp.exp(1j * r["ph"]) * x[r["idx"]]  # noqa: E731
+    row_fn = lambda r, x: r["w"] * jnp.exp(1j * r["ph"]) * x[r["idx"]]
     struct = jax.ShapeDtypeStruct((NPIX,), jnp.complex64)
     x = jnp.asarray(rng.normal(size=NPIX) + 1j * rng.normal(size=NPIX), dtype=jnp.complex64)
     y = jnp.asarray(rng.normal(size=N) + 1j * rng.normal(size=N), dtype=jnp.complex64)
@@ -263,7 +265,7 @@ def test_complex_weights_on_real_sky():
     """A real input with complex row outputs: ``as_matrix`` is the complex coefficient matrix."""
     rng = np.random.default_rng(10)
     ph = jnp.asarray(rng.normal(size=N), dtype=jnp.float32)
-    row_fn = lambda r, x: jnp.exp(1j * r) * jnp.sum(x[1])  # noqa: E731
+    row_fn = lambda r, x: jnp.exp(1j * r) * jnp.sum(x[1])
     A = chunkop.RowOperator(row_fn, ph, X_STRUCT, chunk_size=4)
     assert_tree_allclose(A.mv(X), reference(row_fn, ph, X))
     M = dense(row_fn, ph, X)
@@ -284,5 +286,7 @@ def test_fusion_barrier_only_on_cpu(monkeypatch):
     assert ("optimization_barrier" in primitive_names(jax.make_jaxpr(A.T.mv)(Y))) == on_cpu
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     B = los_op(3, rows=make_rows(seed=7))  # a fresh trace
-    assert "optimization_barrier" not in primitive_names(jax.make_jaxpr(lambda x: _rows.forward(B.spec, B.consts, B.rows, x))(X))
+    assert "optimization_barrier" not in primitive_names(
+        jax.make_jaxpr(lambda x: _rows.forward(B.spec, B.consts, B.rows, x))(X)
+    )
     assert_tree_allclose(_rows.forward(B.spec, B.consts, B.rows, X), reference(los_row, B.rows, X))

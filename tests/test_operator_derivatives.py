@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_tree_allclose
-
 from operator_registry import los_row, make_los_rows
 
 import chunkop
@@ -41,7 +40,9 @@ STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
 
 
 def op(d, s, chunk=CHUNK, idx=IDX):
-    return chunkop.RowOperator(los_row, {"idx": idx, "d": d, "s": s}, jax.ShapeDtypeStruct((NPIX, K), d.dtype), chunk_size=chunk)
+    return chunkop.RowOperator(
+        los_row, {"idx": idx, "d": d, "s": s}, jax.ShapeDtypeStruct((NPIX, K), d.dtype), chunk_size=chunk
+    )
 
 
 def ref_mv(d, s, x, idx=IDX):
@@ -118,7 +119,9 @@ def test_grad_wrt_whole_rows_with_int_leaves(kind):
             out = A.mv(v) if kind == "mv" else A.T.mv(v)
         return jnp.sum(jnp.cos(out))
 
-    g, g_ref = both(lambda: jax.grad(loss, allow_int=True)(ROWS, v, False), lambda: jax.grad(loss, allow_int=True)(ROWS, v, True))
+    g, g_ref = both(
+        lambda: jax.grad(loss, allow_int=True)(ROWS, v, False), lambda: jax.grad(loss, allow_int=True)(ROWS, v, True)
+    )
     assert g["idx"].dtype == jax.dtypes.float0
     for name in ("d", "s"):
         assert_tree_allclose(g[name], g_ref[name], rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(g_ref[name]))))
@@ -146,7 +149,9 @@ def test_jvp(kind, which):
 
     p_args = tuple(primals[i] for i in argnums)
     t_args = tuple(tangents[i] for i in argnums)
-    (out, tan), (out_ref, tan_ref) = both(lambda: jax.jvp(restrict(f), p_args, t_args), lambda: jax.jvp(restrict(ref), p_args, t_args))
+    (out, tan), (out_ref, tan_ref) = both(
+        lambda: jax.jvp(restrict(f), p_args, t_args), lambda: jax.jvp(restrict(ref), p_args, t_args)
+    )
     assert_tree_allclose(out, out_ref)
     assert_tree_allclose(tan, tan_ref, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(tan_ref))))
 
@@ -154,6 +159,7 @@ def test_jvp(kind, which):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_vjp(kind):
     f, ref, v, ct = KINDS[kind]
+
     def run(fn):
         out, pull = jax.vjp(fn, D, S, v)
         return out, pull(ct)
@@ -178,7 +184,7 @@ def test_hessian_vector_products(kind):
 
     def hvp_rev(fn):
         loss = _loss(fn, kind)
-        gdot = lambda s, v: sum(  # noqa: E731
+        gdot = lambda s, v: sum(
             jnp.vdot(a, b) for a, b in zip(jax.grad(lambda s, v: loss(D, s, v), argnums=(0, 1))(s, v), (ds, dv))
         )
         return jax.grad(gdot, argnums=(0, 1))(S, v)
@@ -219,7 +225,9 @@ def test_full_hessian(kind, wrt):
     size = v.size if wrt == "vector" else NS
     assert H.reshape(size, size).shape == (size, size)
     assert_tree_allclose(H, H_ref, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(H_ref))))
-    np.testing.assert_allclose(H.reshape(size, size), H.reshape(size, size).T, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(H_ref))))
+    np.testing.assert_allclose(
+        H.reshape(size, size), H.reshape(size, size).T, rtol=1e-3, atol=1e-4 * float(jnp.max(jnp.abs(H_ref)))
+    )
 
 
 @pytest.mark.parametrize("kind, mode", [("mv", "jacfwd"), ("T", "jacfwd"), ("T", "jacrev")])
@@ -270,7 +278,12 @@ def test_vmap_over_batch_of_operators(kind):
 
     def reference():
         out = jax.vmap(ref)(Ds, Ss, Vs)
-        return out, jax.vmap(ref, (0, 0, None))(Ds, Ss, v), out, jax.grad(lambda s: jnp.sum(jax.vmap(ref)(Ds, s, Vs) ** 2))(Ss)
+        return (
+            out,
+            jax.vmap(ref, (0, 0, None))(Ds, Ss, v),
+            out,
+            jax.grad(lambda s: jnp.sum(jax.vmap(ref)(Ds, s, Vs) ** 2))(Ss),
+        )
 
     got, expected = both(chunked, reference)
     assert expected[0].shape[0] == B
@@ -318,7 +331,11 @@ def test_inside_scan_and_checkpoint(kind):
     # and the whole loss under checkpoint, with a policy
     ck = jax.checkpoint(make(False), policy=jax.checkpoint_policies.dots_saveable)
     g, g_ck, g_ref = jax.jit(
-        lambda: (jax.grad(make(False), argnums=(0, 1))(S, X), jax.grad(ck)(S, X), jax.grad(make(True), argnums=(0, 1))(S, X))
+        lambda: (
+            jax.grad(make(False), argnums=(0, 1))(S, X),
+            jax.grad(ck)(S, X),
+            jax.grad(make(True), argnums=(0, 1))(S, X),
+        )
     )()
     for a, r in zip(g, g_ref):
         assert_tree_allclose(a, r, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(r))))
@@ -334,7 +351,10 @@ def test_derivatives_with_pytree_input_and_output(kind):
 
     def row_fn(r, x):
         xa = x["a"][r["idx"]]
-        return {"p": jnp.tanh(r["w"]) @ xa + r["v"] ** 2 * x["b"][r["idx"]], "q": jnp.stack([r["v"] * x["b"][0], jnp.sum(xa)])}
+        return {
+            "p": jnp.tanh(r["w"]) @ xa + r["v"] ** 2 * x["b"][r["idx"]],
+            "q": jnp.stack([r["v"] * x["b"][0], jnp.sum(xa)]),
+        }
 
     A0 = chunkop.RowOperator(row_fn, rows, struct, chunk_size=CHUNK)
     y = jax.tree_util.tree_map(lambda s: _rand(*s.shape, seed=32), A0.out_structure())
@@ -342,13 +362,13 @@ def test_derivatives_with_pytree_input_and_output(kind):
     def apply(w, vec, use_ref):
         r = {**rows, "w": w}
         if use_ref:
-            ref = lambda u: jax.vmap(row_fn, (0, None))(r, u)  # noqa: E731
+            ref = lambda u: jax.vmap(row_fn, (0, None))(r, u)
             return ref(vec) if kind == "mv" else jax.linear_transpose(ref, x)(vec)[0]
         A = chunkop.RowOperator(row_fn, r, struct, chunk_size=CHUNK)
         return A.mv(vec) if kind == "mv" else A.T.mv(vec)
 
     vec = x if kind == "mv" else y
-    loss = lambda w, vec, use_ref: sum(jnp.sum(jnp.sin(a)) for a in jax.tree_util.tree_leaves(apply(w, vec, use_ref)))  # noqa: E731
+    loss = lambda w, vec, use_ref: sum(jnp.sum(jnp.sin(a)) for a in jax.tree_util.tree_leaves(apply(w, vec, use_ref)))
     dw = _rand(N, K, seed=33)
 
     def run(use_ref):
@@ -372,7 +392,12 @@ def test_directional_derivative_finite_difference_float64(kind):
         dv = _rand(*v.shape, seed=44, dtype=np.float64)
 
         def f(d, s, v):
-            A = chunkop.RowOperator(los_row, {"idx": rows["idx"], "d": d, "s": s}, jax.ShapeDtypeStruct((NPIX, K), jnp.float64), chunk_size=CHUNK)
+            A = chunkop.RowOperator(
+                los_row,
+                {"idx": rows["idx"], "d": d, "s": s},
+                jax.ShapeDtypeStruct((NPIX, K), jnp.float64),
+                chunk_size=CHUNK,
+            )
             out = A.mv(v) if kind == "mv" else A.T.mv(v)
             return jnp.sum(jnp.sin(out * 3.0))
 

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 import pytest
+from operator_registry import los_row, make_los_rows
 
 import chunkop
-from operator_registry import los_row, make_los_rows
 
 NPIX, K, N = 7, 4, 10
 STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
@@ -143,9 +143,9 @@ def test_invalid_chunk_size(chunk, exc, pattern):
 
 def test_chunk_size_is_keyword_only_and_required():
     with pytest.raises(TypeError):
-        chunkop.RowOperator(los_row, ROWS, STRUCT, 3)  # noqa
+        chunkop.RowOperator(los_row, ROWS, STRUCT, 3)
     with pytest.raises(TypeError):
-        chunkop.RowOperator(los_row, ROWS, STRUCT)  # noqa
+        chunkop.RowOperator(los_row, ROWS, STRUCT)
 
 
 def test_bad_row_fn_and_in_structure():
@@ -189,7 +189,11 @@ def test_check_linear_passes_for_linear_operators(transposed):
     [
         ("exp", lambda r, x: jnp.exp(los_row(r, x)), r"not linear in x: A\(0\) = .* is not 0"),
         ("affine", lambda r, x: los_row(r, x) + 1.0, r"not linear in x: A\(0\) = .* is not 0"),
-        ("square", lambda r, x: los_row(r, x) ** 2, r"not linear in x: A\(a x1 \+ b x2\) differs from a A\(x1\) \+ b A\(x2\)"),
+        (
+            "square",
+            lambda r, x: los_row(r, x) ** 2,
+            r"not linear in x: A\(a x1 \+ b x2\) differs from a A\(x1\) \+ b A\(x2\)",
+        ),
         ("abs", lambda r, x: jnp.abs(los_row(r, x)), r"not linear in x: A\(a x1 \+ b x2\) differs"),
         ("weights_from_x", lambda r, x: los_row(r, x) * jnp.sum(x), r"A\(a x1 \+ b x2\) differs"),
     ],

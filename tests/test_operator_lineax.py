@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import scipy.sparse.linalg as spla
 from conftest import assert_tree_allclose
+from jax.flatten_util import ravel_pytree
 from operator_registry import edges, make_los_rows
 from operator_registry import los_weights as registry_los_weights
-from jax.flatten_util import ravel_pytree
 
 import chunkop
 
@@ -67,7 +67,9 @@ def dense(row_fn, rows, struct):
 A = make_op()
 M = np.asarray(dense(los_row, ROWS, STRUCT), dtype=np.float64)
 X_TRUE = _rand(NPIX, K, seed=1)
-B = jnp.asarray(M @ np.asarray(X_TRUE, np.float64).reshape(-1) + 0.05 * np.random.default_rng(2).normal(size=N), dtype=jnp.float32)
+B = jnp.asarray(
+    M @ np.asarray(X_TRUE, np.float64).reshape(-1) + 0.05 * np.random.default_rng(2).normal(size=N), dtype=jnp.float32
+)
 X_LSTSQ = np.linalg.lstsq(M, np.asarray(B, np.float64), rcond=None)[0].reshape(NPIX, K)
 LAM = 0.5
 
@@ -117,12 +119,17 @@ def test_gradient_of_a_solve_wrt_rows_and_data():
             x = jnp.linalg.solve(Md.T @ Md + LAM * jnp.eye(NPIX * K), Md.T @ b)
         else:
             Ao = make_op(rows)
-            normal = lx.TaggedLinearOperator(Ao.T @ Ao + LAM * lx.IdentityLinearOperator(STRUCT), lx.positive_semidefinite_tag)
+            normal = lx.TaggedLinearOperator(
+                Ao.T @ Ao + LAM * lx.IdentityLinearOperator(STRUCT), lx.positive_semidefinite_tag
+            )
             x = lx.linear_solve(normal, Ao.T.mv(b), lx.CG(rtol=1e-7, atol=1e-7, max_steps=200)).value
         return jnp.sum(jnp.sin(x))
 
     g, g_ref = jax.jit(
-        lambda: (jax.grad(loss, argnums=(0, 1))(ROWS["s"], B, False), jax.grad(loss, argnums=(0, 1))(ROWS["s"], B, True))
+        lambda: (
+            jax.grad(loss, argnums=(0, 1))(ROWS["s"], B, False),
+            jax.grad(loss, argnums=(0, 1))(ROWS["s"], B, True),
+        )
     )()
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(b))))
@@ -146,8 +153,13 @@ def test_materialise():
     assert_tree_allclose(mt_mv, at_mv, rtol=1e-5, atol=1e-5)
     # 1-D input and output: a plain matrix operator, keeping the tags
     rows1 = {"i": jnp.asarray([0, 2, 1, 2]), "w": jnp.asarray([1.0, 2.0, 3.0, 4.0])}
-    A1 = chunkop.RowOperator(lambda r, x: r["w"] * x[r["i"]], rows1, jax.ShapeDtypeStruct((3,), jnp.float32), chunk_size=3,
-                             tags=lx.unit_diagonal_tag)
+    A1 = chunkop.RowOperator(
+        lambda r, x: r["w"] * x[r["i"]],
+        rows1,
+        jax.ShapeDtypeStruct((3,), jnp.float32),
+        chunk_size=3,
+        tags=lx.unit_diagonal_tag,
+    )
     m1 = lx.materialise(A1)
     assert isinstance(m1, lx.MatrixLinearOperator) and lx.has_unit_diagonal(m1)
     np.testing.assert_allclose(m1.as_matrix(), [[1, 0, 0], [0, 0, 2], [0, 3, 0], [0, 0, 4]])
@@ -178,7 +190,7 @@ def _square_op(tags=(), chunk=4, n=6):
     """A square operator on a 1-D sky of ``n`` pixels (``n`` rows), so it may carry symmetric tags."""
     rows = make_rows(n, seed=5)
     rows["idx"] = jnp.arange(n, dtype=jnp.int32)[::-1]
-    row_fn = lambda r, x: los_row(r, jnp.stack([x, x[::-1], jnp.roll(x, 1)], axis=1))  # noqa: E731
+    row_fn = lambda r, x: los_row(r, jnp.stack([x, x[::-1], jnp.roll(x, 1)], axis=1))
     struct = jax.ShapeDtypeStruct((n,), jnp.float32)
     return make_op(rows, chunk=chunk, row_fn=row_fn, struct=struct, tags=tags), np.asarray(dense(row_fn, rows, struct))
 
@@ -202,8 +214,15 @@ def test_diagonal_of_non_square_operator_raises():
 
 def test_tag_queries():
     assert not lx.is_symmetric(A)
-    for query in (lx.is_diagonal, lx.is_tridiagonal, lx.has_unit_diagonal, lx.is_lower_triangular,
-                  lx.is_upper_triangular, lx.is_positive_semidefinite, lx.is_negative_semidefinite):
+    for query in (
+        lx.is_diagonal,
+        lx.is_tridiagonal,
+        lx.has_unit_diagonal,
+        lx.is_lower_triangular,
+        lx.is_upper_triangular,
+        lx.is_positive_semidefinite,
+        lx.is_negative_semidefinite,
+    ):
         assert not query(A) and not query(A.T), query
     sym, _ = _square_op(lx.symmetric_tag)
     assert lx.is_symmetric(sym) and lx.is_symmetric(sym.T)
@@ -237,8 +256,13 @@ def test_tagged_solve_with_symmetric_operator():
     L = rng.normal(size=(n, n))
     Q = L @ L.T / n + np.eye(n)
     rows = jnp.asarray(Q, dtype=jnp.float32)  # row i holds row i of the matrix
-    Aq = chunkop.RowOperator(lambda q, x: q @ x, rows, jax.ShapeDtypeStruct((n,), jnp.float32), chunk_size=4,
-                             tags=lx.positive_semidefinite_tag)
+    Aq = chunkop.RowOperator(
+        lambda q, x: q @ x,
+        rows,
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+        chunk_size=4,
+        tags=lx.positive_semidefinite_tag,
+    )
     b = _rand(n, seed=7)
     sol = jax.jit(lambda A, b: lx.linear_solve(A, b, lx.CG(rtol=1e-6, atol=1e-6)).value)(Aq, b)
     np.testing.assert_allclose(sol, np.linalg.solve(Q, np.asarray(b, np.float64)), rtol=1e-4, atol=1e-5)
@@ -276,7 +300,7 @@ def test_to_scipy_lsqr_matches_lstsq():
 
 def test_to_scipy_pytree_operator():
     struct = {"a": jax.ShapeDtypeStruct((NPIX, K), jnp.float32), "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
-    row_fn = lambda r, x: {"p": los_row(r, x["a"]), "q": r["s"] * x["b"]}  # noqa: E731
+    row_fn = lambda r, x: {"p": los_row(r, x["a"]), "q": r["s"] * x["b"]}
     Ap = make_op(row_fn=row_fn, struct=struct, chunk=7)
     Mp = np.asarray(dense(row_fn, ROWS, struct))
     S = chunkop.to_scipy(Ap)
@@ -304,7 +328,7 @@ def test_gram_diagonal_both_paths(chunk):
 
 def test_gram_diagonal_pytree_and_jit():
     struct = {"a": jax.ShapeDtypeStruct((NPIX, K), jnp.float32), "b": jax.ShapeDtypeStruct((2,), jnp.float32)}
-    row_fn = lambda r, x: jnp.stack([los_row(r, x["a"]), r["s"] * 10.0 * x["b"][0] - x["b"][1]])  # noqa: E731
+    row_fn = lambda r, x: jnp.stack([los_row(r, x["a"]), r["s"] * 10.0 * x["b"][0] - x["b"][1]])
     Ap = make_op(row_fn=row_fn, struct=struct, chunk=7)
     Mp = np.asarray(dense(row_fn, ROWS, struct))
     _, unravel = ravel_pytree(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), struct))
@@ -317,7 +341,9 @@ def test_gram_diagonal_jacobi_preconditioned_cg():
     diag = chunkop.gram_diagonal(A, squared_row_fn=los_row_squared) + LAM
     normal = lx.TaggedLinearOperator(A.T @ A + LAM * lx.IdentityLinearOperator(STRUCT), lx.positive_semidefinite_tag)
     precond = lx.TaggedLinearOperator(lx.DiagonalLinearOperator(1.0 / diag), lx.positive_semidefinite_tag)
-    solve = jax.jit(lambda op, b, p: lx.linear_solve(op, b, lx.CG(rtol=1e-6, atol=1e-6), options={"preconditioner": p}).value)
+    solve = jax.jit(
+        lambda op, b, p: lx.linear_solve(op, b, lx.CG(rtol=1e-6, atol=1e-6), options={"preconditioner": p}).value
+    )
     sol = solve(normal, A.T.mv(B), precond)
     expected = np.linalg.solve(M.T @ M + LAM * np.eye(NPIX * K), M.T @ np.asarray(B, np.float64))
     np.testing.assert_allclose(sol, expected.reshape(NPIX, K), rtol=1e-3, atol=1e-4)
@@ -325,7 +351,7 @@ def test_gram_diagonal_jacobi_preconditioned_cg():
 
 def test_gram_diagonal_complex_generic_path():
     rows = {"idx": ROWS["idx"], "ph": ROWS["s"] * 100.0}
-    row_fn = lambda r, x: jnp.exp(1j * r["ph"]) * (1.0 + r["ph"]) * x[r["idx"], 0]  # noqa: E731
+    row_fn = lambda r, x: jnp.exp(1j * r["ph"]) * (1.0 + r["ph"]) * x[r["idx"], 0]
     Ac = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((NPIX, K), jnp.complex64), chunk_size=16)
     Mc = np.asarray(Ac.as_matrix())
     g = chunkop.gram_diagonal(Ac)

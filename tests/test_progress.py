@@ -182,3 +182,33 @@ def test_progress_true_with_tqdm(capsys):
     jax.effects_barrier()
     err = capsys.readouterr().err
     assert "4/4" in err and "chunk" in err
+
+
+# -- RowOperator: every kernel reports its chunks ------------------------------------------------
+
+
+def _row_operator(progress):
+    rows = {"i": jnp.arange(23) % 5, "w": jnp.linspace(0.5, 2.0, 23)}
+    return chunkop.RowOperator(
+        lambda r, x: r["w"] * x[r["i"]], rows, jax.ShapeDtypeStruct((5,), jnp.float32), chunk_size=5, progress=progress
+    )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_row_operator_kernels_report_and_results_are_unchanged(jit):
+    rec = Recorder()
+    A, ref = _row_operator(rec), _row_operator(None)
+    x, y = jnp.arange(5.0), jnp.ones(23)
+    mv = (lambda op, v: op.mv(v)) if not jit else jax.jit(lambda op, v: op.mv(v))
+    rmv = (lambda op, v: op.T.mv(v)) if not jit else jax.jit(lambda op, v: op.T.mv(v))
+    np.testing.assert_array_equal(mv(A, x), mv(ref, x))
+    np.testing.assert_array_equal(rmv(A, y), rmv(ref, y))
+    jax.effects_barrier()
+    assert rec.calls == 2 * [(k, 5) for k in range(1, 6)]  # 4 chunks of 5 + a remainder of 3, twice
+    assert "debug_callback" not in primitive_names(jax.make_jaxpr(lambda v: ref.mv(v))(x))
+    assert "debug_callback" in primitive_names(jax.make_jaxpr(lambda v: A.mv(v))(x))
+
+
+def test_row_operator_bad_progress_argument():
+    with pytest.raises(TypeError, match=r"RowOperator: `progress` must be None, True/False or a callable"):
+        _row_operator("yes")

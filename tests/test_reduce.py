@@ -102,7 +102,7 @@ def test_grads_match(kind, chunk_size):
 
 @pytest.mark.parametrize("remat", [True, False, jax.checkpoint_policies.dots_saveable])
 def test_remat_options(remat):
-    loss = lambda p, x, y: per_example(p, x, y)["loss"]  # noqa: E731
+    loss = lambda p, x, y: per_example(p, x, y)["loss"]
     ref = jax.grad(reference("mean", loss, (None, 0, 0)))(P, X, Y)
     got = jax.grad(chunkop.mean(loss, (None, 0, 0), chunk_size=3, remat=remat))(P, X, Y)
     assert_tree_allclose(got, ref)
@@ -110,11 +110,13 @@ def test_remat_options(remat):
 
 @pytest.mark.parametrize("chunk_size", [None, 3])
 def test_jvp_jit_and_hessian_match(chunk_size):
-    loss = lambda p, x, y: per_example(p, x, y)["loss"]  # noqa: E731
+    loss = lambda p, x, y: per_example(p, x, y)["loss"]
     ref_f = reference("sum", loss, (None, 0, 0))
     got_f = chunkop.sum(loss, (None, 0, 0), chunk_size=chunk_size)
     tangent = jax.tree.map(jnp.cos, P)
-    assert_tree_allclose(jax.jvp(lambda p: got_f(p, X, Y), (P,), (tangent,)), jax.jvp(lambda p: ref_f(p, X, Y), (P,), (tangent,)))
+    assert_tree_allclose(
+        jax.jvp(lambda p: got_f(p, X, Y), (P,), (tangent,)), jax.jvp(lambda p: ref_f(p, X, Y), (P,), (tangent,))
+    )
     assert_tree_allclose(jax.jit(got_f)(P, X, Y), ref_f(P, X, Y))
     assert_tree_allclose(
         jax.jit(jax.hessian(got_f))(P, X, Y), jax.jit(jax.hessian(ref_f))(P, X, Y), rtol=1e-4, atol=1e-4
@@ -123,7 +125,7 @@ def test_jvp_jit_and_hessian_match(chunk_size):
 
 @pytest.mark.parametrize("chunk_size", [None, 3])
 def test_vmap_of_sum(chunk_size):
-    loss = lambda p, x, y: per_example(p, x, y)["loss"]  # noqa: E731
+    loss = lambda p, x, y: per_example(p, x, y)["loss"]
     ps = jax.tree.map(lambda a: jnp.stack([a, -a, 2 * a]), P)
     ref = jax.vmap(reference("sum", loss, (None, 0, 0)), in_axes=(0, None, None))(ps, X, Y)
     got = jax.vmap(chunkop.sum(loss, (None, 0, 0), chunk_size=chunk_size), in_axes=(0, None, None))(ps, X, Y)
@@ -133,7 +135,7 @@ def test_vmap_of_sum(chunk_size):
 @pytest.mark.parametrize("chunk_size", [None, 3])
 @pytest.mark.parametrize("kind", ["sum", "mean"])
 def test_kwargs_negative_axes_and_unmapped_outputs(kind, chunk_size):
-    fun = lambda x, w, *, s: (x @ w * s, w.sum(), jnp.float32(2.0))  # noqa: E731 - two outputs constant over the axis
+    fun = lambda x, w, *, s: (x @ w * s, w.sum(), jnp.float32(2.0))
     xt = X.T  # mapped along -1
     s = _rand(N, seed=8)
     ref = reference(kind, fun, (-1, None))(xt, P["W"], s=s)
@@ -144,7 +146,7 @@ def test_kwargs_negative_axes_and_unmapped_outputs(kind, chunk_size):
 @pytest.mark.parametrize("chunk_size", [None, 3, 4])
 @pytest.mark.parametrize("kind", ["sum", "mean"])
 def test_axis_size_without_mapped_arguments(kind, chunk_size):
-    fun = lambda w: jnp.tanh(w)  # noqa: E731
+    fun = lambda w: jnp.tanh(w)
     ref = reference(kind, fun, None, axis_size=N)(P["W"])
     got = chunked(kind, fun, None, chunk_size=chunk_size, axis_size=N)(P["W"])
     assert_tree_allclose(got, ref)

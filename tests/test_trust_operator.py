@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import scipy.sparse.linalg as spla
 from conftest import assert_tree_allclose
-from operator_registry import CASES, K, NPIX, ROWS, STRUCT, los_row, los_weights, make_los_rows, rand
+from operator_registry import CASES, NPIX, ROWS, STRUCT, K, los_row, los_weights, make_los_rows, rand
 
 import chunkop
 from chunkop import _rows
@@ -96,7 +96,10 @@ class Instrument:
         return gain * los_row(r, x)
 
 
-@pytest.mark.parametrize("gain, new_gain", [(1.0, 10.0), (jnp.float32(1.0), jnp.float32(10.0)), (jnp.ones(NPIX), jnp.arange(NPIX, dtype=jnp.float32))])
+@pytest.mark.parametrize(
+    "gain, new_gain",
+    [(1.0, 10.0), (jnp.float32(1.0), jnp.float32(10.0)), (jnp.ones(NPIX), jnp.arange(NPIX, dtype=jnp.float32))],
+)
 def test_mutated_attribute_through_bound_method(gain, new_gain):
     inst = Instrument(gain)
     check_against_dense(chunkop.RowOperator(inst.row, ROWS, STRUCT, chunk_size=3), inst.row)
@@ -151,6 +154,7 @@ def test_numpy_closure_is_a_leaf_not_static():
 def test_rebuilt_operators_share_compiled_kernels():
     """Operators whose row_fn traces to the same jaxpr share compiled kernels: new closed-over
     values or rows are arguments, not constants; eager ``mv`` does not retrace."""
+
     def make(gain, rows=ROWS):
         return chunkop.RowOperator(lambda r, x: gain[r["idx"]] * los_row(r, x), rows, STRUCT, chunk_size=3)
 
@@ -167,7 +171,12 @@ def test_rebuilt_operators_share_compiled_kernels():
 def test_caches_hold_no_closed_over_arrays():
     big = jnp.ones((NPIX, 1000), jnp.float32)
     ref = weakref.ref(big)
-    A = chunkop.RowOperator(lambda r, x: jnp.sum(big[r["idx"]]) * los_row(r, x), ROWS, STRUCT, chunk_size=3)
+    A = chunkop.RowOperator(
+        lambda r, x: jnp.sum(big[r["idx"]]) * los_row(r, x),  # noqa: F821 - `big` is deleted below on purpose
+        ROWS,
+        STRUCT,
+        chunk_size=3,
+    )
     A.mv(X), A.T.mv(Y)
     del A, big
     gc.collect()
@@ -178,7 +187,9 @@ def test_caches_hold_no_closed_over_arrays():
 
 
 def _scaled_op(scale):
-    return chunkop.RowOperator(lambda r, x: scale * los_row(r, x) + scale**2 * x[r["idx"], 0], ROWS, STRUCT, chunk_size=3)
+    return chunkop.RowOperator(
+        lambda r, x: scale * los_row(r, x) + scale**2 * x[r["idx"], 0], ROWS, STRUCT, chunk_size=3
+    )
 
 
 def _loss(scale, kind="mv"):
@@ -187,8 +198,12 @@ def _loss(scale, kind="mv"):
 
 
 def _ref_loss(scale, kind="mv"):
-    f = lambda r, x: scale * los_row(r, x) + scale**2 * x[r["idx"], 0]  # noqa: E731
-    ref = jax.vmap(f, (0, None))(ROWS, X) if kind == "mv" else jax.linear_transpose(lambda v: jax.vmap(f, (0, None))(ROWS, v), STRUCT)(Y)[0]
+    f = lambda r, x: scale * los_row(r, x) + scale**2 * x[r["idx"], 0]
+    ref = (
+        jax.vmap(f, (0, None))(ROWS, X)
+        if kind == "mv"
+        else jax.linear_transpose(lambda v: jax.vmap(f, (0, None))(ROWS, v), STRUCT)(Y)[0]
+    )
     return jnp.sum(jnp.sin(ref))
 
 
@@ -222,7 +237,9 @@ def test_closure_over_traced_value_finite_differences_float64():
         struct = jax.ShapeDtypeStruct((NPIX, K), jnp.float64)
 
         def f(gain, kind):
-            A = chunkop.RowOperator(lambda r, v: jnp.exp(gain[r["idx"]]) * jnp.dot(los_weights(r), v[r["idx"]]), rows, struct, chunk_size=4)
+            A = chunkop.RowOperator(
+                lambda r, v: jnp.exp(gain[r["idx"]]) * jnp.dot(los_weights(r), v[r["idx"]]), rows, struct, chunk_size=4
+            )
             return jnp.sum(jnp.sin(3.0 * (A.mv(x) if kind == "mv" else A.T.mv(y))))
 
         g0 = jnp.linspace(-0.5, 0.5, NPIX, dtype=jnp.float64)
@@ -291,14 +308,22 @@ def test_low_precision_chunk_sums_accumulate_wide(dtype):
     gx = jax.grad(lambda x: jnp.sum(A.mv(x).astype(jnp.float32)))(jnp.ones(2, dtype))
     assert gx.dtype == dtype and float(gx[0]) == N_ONES
     # derivatives w.r.t. a closed-over scalar: reverse (sum over chunks of its cotangent) ...
-    loss = lambda c, kind: jnp.sum(  # noqa: E731
-        (_ones_op(dtype, c).mv(jnp.ones(2, dtype)) if kind == "mv" else _ones_op(dtype, c).T.mv(jnp.ones(N_ONES, dtype))).astype(jnp.float32)
+    loss = lambda c, kind: jnp.sum(
+        (
+            _ones_op(dtype, c).mv(jnp.ones(2, dtype))
+            if kind == "mv"
+            else _ones_op(dtype, c).T.mv(jnp.ones(N_ONES, dtype))
+        ).astype(jnp.float32)
     )
     for kind in ["mv", "T"]:
         gc_ = jax.grad(loss)(jnp.asarray(1.0, dtype), kind)
         assert gc_.dtype == dtype and float(gc_) == N_ONES, (kind, gc_)
     # ... and forward (the derivative kernel of the transpose sums over chunks)
-    t = jax.jvp(lambda c: _ones_op(dtype, c).T.mv(jnp.ones(N_ONES, dtype)), (jnp.asarray(1.0, dtype),), (jnp.asarray(1.0, dtype),))[1]
+    t = jax.jvp(
+        lambda c: _ones_op(dtype, c).T.mv(jnp.ones(N_ONES, dtype)),
+        (jnp.asarray(1.0, dtype),),
+        (jnp.asarray(1.0, dtype),),
+    )[1]
     assert t.dtype == dtype and float(t[0]) == N_ONES
 
 
@@ -316,7 +341,9 @@ def _typed_los(dtype):
 )
 def test_check_linear_catches_non_linear_in_low_precision(dtype, name, wrap):
     los = _typed_los(dtype)
-    bad = chunkop.RowOperator(lambda r, x: wrap(los(r, x)), make_los_rows(64), jax.ShapeDtypeStruct((NPIX, K), dtype), chunk_size=8)
+    bad = chunkop.RowOperator(
+        lambda r, x: wrap(los(r, x)), make_los_rows(64), jax.ShapeDtypeStruct((NPIX, K), dtype), chunk_size=8
+    )
     with pytest.raises(ValueError, match="not linear in x"):
         chunkop.check_linear(bad)
 
@@ -326,7 +353,10 @@ def test_check_linear_passes_linear_operators_in_every_dtype(dtype):
     with jax.enable_x64(dtype == jnp.float64):
         rows = make_los_rows(200)
         struct = jax.ShapeDtypeStruct((NPIX, K), dtype)
-        for row_fn in [_typed_los(dtype), lambda r, x: {"a": _typed_los(dtype)(r, x), "b": x[r["idx"], :2] * r["s"].astype(dtype)}]:
+        for row_fn in [
+            _typed_los(dtype),
+            lambda r, x: {"a": _typed_los(dtype)(r, x), "b": x[r["idx"], :2] * r["s"].astype(dtype)},
+        ]:
             A = chunkop.RowOperator(row_fn, rows, struct, chunk_size=16)
             for k in range(3):
                 errors = chunkop.check_linear(A, key=jax.random.key(k))
@@ -337,7 +367,7 @@ def test_check_linear_names_out_of_range_indices():
     A = _square_op(12, 5)
     rows = dict(A.rows, i=A.rows["i"].at[3, 1].set(12 + 2))  # one gather index past the end
     A = chunkop.RowOperator(A.row_fn, rows, A.in_structure(), chunk_size=5)
-    with pytest.raises(ValueError, match="out of range.*A.mv clamps them.*transpose drops"):
+    with pytest.raises(ValueError, match=r"out of range.*A\.mv clamps them.*transpose drops"):
         chunkop.check_linear(A)
 
 
@@ -354,7 +384,7 @@ def test_check_linear_names_out_of_range_indices():
 )
 def test_empty_outputs_and_inputs(row_fn, struct):
     A = chunkop.RowOperator(row_fn, ROWS, struct, chunk_size=3)
-    ref = lambda x: jax.vmap(row_fn, (0, None))(ROWS, x)  # noqa: E731
+    ref = lambda x: jax.vmap(row_fn, (0, None))(ROWS, x)
     x = jnp.ones(struct.shape, struct.dtype)
     y = jnp.ones(A.out_structure().shape)
     assert_tree_allclose(A.mv(x), ref(x))
@@ -375,7 +405,12 @@ def _square_op(n, chunk):
         "w": jnp.asarray(rng.normal(size=(n, 3)), jnp.float32),
         "r": jnp.arange(n, dtype=jnp.int32),
     }
-    return chunkop.RowOperator(lambda r, x: jnp.dot(r["w"], x[r["i"]]) + 2.0 * x[r["r"]], rows, jax.ShapeDtypeStruct((n,), jnp.float32), chunk_size=chunk)
+    return chunkop.RowOperator(
+        lambda r, x: jnp.dot(r["w"], x[r["i"]]) + 2.0 * x[r["r"]],
+        rows,
+        jax.ShapeDtypeStruct((n,), jnp.float32),
+        chunk_size=chunk,
+    )
 
 
 def test_diagonal_values():
@@ -385,7 +420,12 @@ def test_diagonal_values():
     # pytree input and output (square overall)
     rows = {"r": jnp.arange(9), "w": jnp.linspace(1.0, 2.0, 9)}
     st = {"u": jax.ShapeDtypeStruct((9,), jnp.float32), "v": jax.ShapeDtypeStruct((9, 2), jnp.float32)}
-    B = chunkop.RowOperator(lambda r, x: {"a": r["w"] * x["u"][r["r"]] + x["v"][0, 1], "b": r["w"] * x["v"][r["r"]][::-1]}, rows, st, chunk_size=4)
+    B = chunkop.RowOperator(
+        lambda r, x: {"a": r["w"] * x["u"][r["r"]] + x["v"][0, 1], "b": r["w"] * x["v"][r["r"]][::-1]},
+        rows,
+        st,
+        chunk_size=4,
+    )
     np.testing.assert_allclose(lx.diagonal(B), jnp.diagonal(B.as_matrix()), rtol=1e-6)
 
 

@@ -52,12 +52,12 @@ def _mean(f):
 
 
 def _jacrev(f):
-    g = lambda x: jax.vmap(f)(x).ravel()  # noqa: E731 - a function of all of X, N*k outputs
+    g = lambda x: jax.vmap(f)(x).ravel()
     return chunkop.jacrev(g, chunk_size=CHUNK)(X), jax.jacrev(g)(X)
 
 
 def _jacfwd(f):
-    g = lambda x: jax.vmap(f)(x).ravel()  # noqa: E731
+    g = lambda x: jax.vmap(f)(x).ravel()
     return chunkop.jacfwd(g, chunk_size=CHUNK)(X), jax.jacfwd(g)(X)
 
 
@@ -276,11 +276,11 @@ def test_float16_sum_of_tenths():
 def test_gradient_wrt_bf16_parameter_accumulates_in_float32(how):
     w = jnp.ones((), jnp.bfloat16)
     xs = jnp.ones(4096, jnp.bfloat16)
-    f = lambda w, x: w * x  # noqa: E731
+    f = lambda w, x: w * x
     if how == "vmap_then_sum":
-        loss = lambda w: chunkop.vmap(f, in_axes=(None, 0), chunk_size=4)(w, xs).sum()  # noqa: E731
+        loss = lambda w: chunkop.vmap(f, in_axes=(None, 0), chunk_size=4)(w, xs).sum()
     else:
-        loss = lambda w: chunkop.sum(f, in_axes=(None, 0), chunk_size=4)(w, xs)  # noqa: E731
+        loss = lambda w: chunkop.sum(f, in_axes=(None, 0), chunk_size=4)(w, xs)
     ref = jax.grad(lambda w: jax.vmap(f, in_axes=(None, 0))(w, xs).sum())(w)
     g = jax.grad(loss)(w)
     assert g.dtype == jnp.bfloat16
@@ -469,9 +469,7 @@ def test_remat_policy_validated_when_given():
 
 @pytest.mark.parametrize("chunk_size", [3, None])
 def test_numpy_int_axes_on_every_path(chunk_size):
-    f = chunkop.vmap(
-        lambda x, w: x * w, in_axes=(np.int64(1), None), out_axes=np.int32(-1), chunk_size=chunk_size
-    )
+    f = chunkop.vmap(lambda x, w: x * w, in_axes=(np.int64(1), None), out_axes=np.int32(-1), chunk_size=chunk_size)
     got = f(X.T, 2.0)
     assert_tree_allclose(got, jax.vmap(lambda x, w: x * w, in_axes=(1, None), out_axes=-1)(X.T, 2.0))
 

@@ -58,7 +58,9 @@ def test_chunk_size_required_where_it_has_no_default_meaning(builder):
 def test_bad_remat(builder):
     make = {"vmap": chunkop.vmap, "sum": chunkop.sum, "mean": chunkop.mean}[builder]
     for bad in ["yes", 1, None]:
-        with pytest.raises(TypeError, match=rf"chunkop\.{builder}: `remat` must be True, False or a checkpoint policy.*got {bad!r}"):
+        with pytest.raises(
+            TypeError, match=rf"chunkop\.{builder}: `remat` must be True, False or a checkpoint policy.*got {bad!r}"
+        ):
             make(jnp.sin, chunk_size=2, remat=bad)
     with pytest.raises(TypeError, match=r"chunkop\.map: `remat` must be"):
         chunkop.map(jnp.sin, X, chunk_size=2, remat="no")

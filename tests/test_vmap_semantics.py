@@ -174,13 +174,14 @@ def test_identity_map_is_exact_with_remainder():
     x = np.arange(N * 5 * 2, dtype=np.float32).reshape(2, N, 5)
     for cs in [1, 3, 5, 7]:
         np.testing.assert_array_equal(chunkop.vmap(lambda r: r, in_axes=1, out_axes=1, chunk_size=cs)(x), x)
-        np.testing.assert_array_equal(chunkop.vmap(lambda r: r, in_axes=1, out_axes=0, chunk_size=cs)(x),
-                                      np.moveaxis(x, 1, 0))
+        np.testing.assert_array_equal(
+            chunkop.vmap(lambda r: r, in_axes=1, out_axes=0, chunk_size=cs)(x), np.moveaxis(x, 1, 0)
+        )
 
 
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 def test_out_axes_none_for_varying_output_errors_like_jax(chunk_size):
-    fun = lambda x, w: (x @ w, x.sum())  # noqa: E731 - the second output varies over the axis
+    fun = lambda x, w: (x @ w, x.sum())
     with pytest.raises(ValueError, match="got axis spec None but output was batched") as ref:
         jax.vmap(fun, in_axes=(0, None), out_axes=(0, None))(X, W)
     with pytest.raises(ValueError, match="got axis spec None but output was batched") as got:
@@ -201,7 +202,7 @@ def test_raw_uint32_keys_mapped(chunk_size):
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 def test_typed_keys_mapped(chunk_size):
     keys = jax.random.split(jax.random.key(0), N)  # (N,) key<fry>
-    fun = lambda k, s: (jax.random.normal(k, (3,)) * s, jax.random.split(k, 3), jax.random.key_data(k))  # noqa: E731
+    fun = lambda k, s: (jax.random.normal(k, (3,)) * s, jax.random.split(k, 3), jax.random.key_data(k))
     out = check(fun, (keys, 2.0), chunk_size=chunk_size, in_axes=(0, None))
     assert jnp.issubdtype(out[1].dtype, jax.dtypes.prng_key)
 
@@ -209,13 +210,13 @@ def test_typed_keys_mapped(chunk_size):
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 def test_typed_keys_mapped_along_axis_1_and_out_axes(chunk_size):
     keys = jax.random.split(jax.random.key(1), (2, N))
-    fun = lambda k: (jax.random.uniform(k[0], (4,)) + jax.random.uniform(k[1]), jax.random.split(k[1], 3))  # noqa: E731
+    fun = lambda k: (jax.random.uniform(k[0], (4,)) + jax.random.uniform(k[1]), jax.random.split(k[1], 3))
     check(fun, (keys,), chunk_size=chunk_size, in_axes=1, out_axes=(1, -1))
 
 
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 def test_unmapped_key_output(chunk_size):
-    fun = lambda x, k: (x * jax.random.normal(k), jax.random.fold_in(k, 1))  # noqa: E731
+    fun = lambda x, k: (x * jax.random.normal(k), jax.random.fold_in(k, 1))
     check(fun, (X, jax.random.key(3)), chunk_size=chunk_size, in_axes=(0, None), out_axes=(0, None))
 
 
@@ -252,7 +253,7 @@ class _Scale:
 
 @pytest.mark.parametrize("chunk_size", CHUNKS)
 def test_static_non_array_arguments(chunk_size):
-    fun = lambda x, name, obj: x * len(name) * obj.s  # noqa: E731
+    fun = lambda x, name, obj: x * len(name) * obj.s
     expected = jax.vmap(fun, in_axes=(0, None, None))(X, "abc", _Scale(2.0))
     f = chunkop.vmap(fun, in_axes=(0, None, None), chunk_size=chunk_size)
     assert_tree_allclose(f(X, "abc", _Scale(2.0)), expected)
@@ -277,7 +278,7 @@ def test_cache_distinguishes_signatures(chunk_size):
 def test_nested_chunked_in_chunked(outer_cs, inner_cs):
     a = _rand(N, 5, seed=10)
     b = _rand(6, N, seed=11)
-    fun = lambda x, y: jnp.sin(x) * y  # noqa: E731 - x (5,)... y scalar
+    fun = lambda x, y: jnp.sin(x) * y
     ref = jax.vmap(jax.vmap(fun, in_axes=(None, 0), out_axes=1), in_axes=(0, 1), out_axes=-1)(a, b)
     inner = chunkop.vmap(fun, in_axes=(None, 0), out_axes=1, chunk_size=inner_cs)
     got = chunkop.vmap(inner, in_axes=(0, 1), out_axes=-1, chunk_size=outer_cs)(a, b)
@@ -288,7 +289,7 @@ def test_nested_chunked_in_chunked(outer_cs, inner_cs):
 def test_nested_with_jax_vmap_both_orders(chunk_size):
     a = _rand(N, 5, seed=12)
     b = _rand(6, 5, seed=13)
-    fun = lambda x, y: jnp.dot(jnp.tanh(x), y)  # noqa: E731
+    fun = lambda x, y: jnp.dot(jnp.tanh(x), y)
     ref = jax.vmap(jax.vmap(fun, in_axes=(None, 0)), in_axes=(0, None))(a, b)
     got = chunkop.vmap(jax.vmap(fun, in_axes=(None, 0)), in_axes=(0, None), chunk_size=chunk_size)(a, b)
     assert_tree_allclose(got, ref)
@@ -389,7 +390,9 @@ EXPECTED_PRIM = {
 @pytest.mark.parametrize("name", sorted(COLLECTIVES))
 def test_collective_with_chunking_raises(name):
     f = chunkop.vmap(COLLECTIVES[name], axis_name="i", chunk_size=3)
-    with pytest.raises(ValueError, match=rf"collective `{EXPECTED_PRIM[name]}` over axis_name='i'.*chunk_size=3 < axis size 8"):
+    with pytest.raises(
+        ValueError, match=rf"collective `{EXPECTED_PRIM[name]}` over axis_name='i'.*chunk_size=3 < axis size 8"
+    ):
         f(X)
 
 
@@ -414,7 +417,7 @@ def test_collective_detection_has_no_false_positives(chunk_size):
 def test_collective_over_outer_axis_inside_chunked_inner(chunk_size):
     """The inner map is chunked over 'i' but reduces over the *outer* axis 'j': legitimate."""
     a = _rand(4, N, seed=20)
-    fun = lambda x: x - jax.lax.psum(x, "j")  # noqa: E731
+    fun = lambda x: x - jax.lax.psum(x, "j")
     ref = jax.vmap(jax.vmap(fun, axis_name="i"), axis_name="j")(a)
     got = jax.vmap(chunkop.vmap(fun, axis_name="i", chunk_size=chunk_size), axis_name="j")(a)
     assert_tree_allclose(got, ref)
@@ -438,6 +441,6 @@ def test_collective_over_outer_chunked_axis_raises():
 @pytest.mark.parametrize("chunk_size", [1, 3, 4, N, 20])
 def test_map_matches_lax_map(chunk_size):
     xs = {"a": X, "b": (XT.T, np.arange(N, dtype=np.int32))}
-    f = lambda t: {"y": jnp.tanh(t["a"]).sum() * t["b"][0], "i": t["b"][1] * 2, "m": t["a"] > 0}  # noqa: E731
+    f = lambda t: {"y": jnp.tanh(t["a"]).sum() * t["b"][0], "i": t["b"][1] * 2, "m": t["a"] > 0}
     assert_tree_allclose(chunkop.map(f, xs, chunk_size=chunk_size), jax.lax.map(f, xs))
     assert_tree_allclose(chunkop.map(f, xs, chunk_size=chunk_size), jax.lax.map(f, xs, batch_size=chunk_size))

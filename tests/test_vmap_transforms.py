@@ -7,6 +7,7 @@ compile-time that does not grow with N, and no retracing of ``fun`` on repeated 
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -62,7 +63,9 @@ TRANSFORMS = {
     ),
     "vmap_over_data": lambda F: jax.vmap(F, in_axes=(None, 1, 0))(P, jnp.stack([X, -X], 1), jnp.stack([Y, Y * 3])),
     "grad_of_vmap": lambda F: jax.grad(
-        lambda p: jax.vmap(_scalar(F), in_axes=(0, None, None))(jax.tree.map(lambda a: jnp.stack([a, -a]), p), X, Y).sum()
+        lambda p: jax.vmap(_scalar(F), in_axes=(0, None, None))(
+            jax.tree.map(lambda a: jnp.stack([a, -a]), p), X, Y
+        ).sum()
     )(P),
     "checkpoint_grad": lambda F: jax.grad(jax.checkpoint(_scalar(F)), argnums=(0, 1))(P, X, Y),
 }
@@ -112,7 +115,7 @@ def test_chunked_of_vmap_and_its_grad(chunk_size):
     ref_f = jax.vmap(inner, in_axes=(None, 0, 0), out_axes=1)
     got_f = chunkop.vmap(inner, in_axes=(None, 0, 0), out_axes=1, chunk_size=chunk_size)
     assert_tree_allclose(got_f(ps, X, Y), ref_f(ps, X, Y))
-    loss = lambda f: lambda p, x: jnp.sum(f(p, x, Y) ** 2)  # noqa: E731
+    loss = lambda f: lambda p, x: jnp.sum(f(p, x, Y) ** 2)
     assert_tree_allclose(
         jax.grad(loss(got_f), argnums=(0, 1))(ps, X), jax.grad(loss(ref_f), argnums=(0, 1))(ps, X), rtol=2e-5, atol=2e-5
     )
@@ -127,16 +130,18 @@ def test_grad_through_out_axes_none_output_counted_once(chunk_size):
         return x * w, jnp.sum(w**2)
 
     def loss(f):
-        def l(x, w):
+        def objective(x, w):
             ys, c = f(x, w)
             return jnp.sum(ys * CT[:, :3]) + 10 * c
 
-        return l
+        return objective
 
     w = _rand(3, seed=9)
     x = X[:, :3]
     ref = jax.grad(loss(jax.vmap(fun, in_axes=(0, None), out_axes=(0, None))), argnums=(0, 1))(x, w)
-    got = jax.grad(loss(chunkop.vmap(fun, in_axes=(0, None), out_axes=(0, None), chunk_size=chunk_size)), argnums=(0, 1))(x, w)
+    got = jax.grad(
+        loss(chunkop.vmap(fun, in_axes=(0, None), out_axes=(0, None), chunk_size=chunk_size)), argnums=(0, 1)
+    )(x, w)
     assert_tree_allclose(got, ref)
 
 
@@ -180,7 +185,7 @@ def test_no_double_counting(chunk_size):
 @pytest.mark.parametrize("chunk_size", [3, 4])
 def test_grad_wrt_mapped_input_along_inner_axis(chunk_size):
     x = _rand(3, N, 2, seed=14)
-    fun = lambda x: jnp.sum(jnp.exp(x) * jnp.arange(3.0)[:, None])  # noqa: E731
+    fun = lambda x: jnp.sum(jnp.exp(x) * jnp.arange(3.0)[:, None])
     ref = jax.grad(lambda x: jnp.sum(jax.vmap(fun, in_axes=1)(x) ** 2))(x)
     got = jax.grad(lambda x: jnp.sum(chunkop.vmap(fun, in_axes=1, chunk_size=chunk_size)(x) ** 2))(x)
     assert_tree_allclose(got, ref)
@@ -188,7 +193,7 @@ def test_grad_wrt_mapped_input_along_inner_axis(chunk_size):
 
 def test_grad_matches_finite_differences():
     f = batched(4)
-    loss = lambda x: jnp.sum(f(P, x, Y) * CT)  # noqa: E731
+    loss = lambda x: jnp.sum(f(P, x, Y) * CT)
     g = jax.grad(loss)(X)
     v = _rand(*X.shape, seed=15)
     eps = 1e-2
@@ -248,7 +253,7 @@ def test_repeated_eager_calls_trace_once_and_compile_once():
         chunkop.vmap(fun, in_axes=(0, None), chunk_size=4)(X, w)
     assert compiles.count == 0
     # grad twice: the second compiles nothing either
-    g = lambda x: jax.grad(lambda x: f(x, w).sum())(x)  # noqa: E731
+    g = lambda x: jax.grad(lambda x: f(x, w).sum())(x)
     g(X)
     with CompileCounter() as compiles:
         g(X + 1)

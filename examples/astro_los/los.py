@@ -118,6 +118,7 @@ def make_los_operator(
     edges: np.ndarray | None = None,
     chunk_size: int = 4096,
     dtype: Any = jnp.float32,
+    progress: Any = None,
 ) -> chunkop.RowOperator:
     """The LOS operator ``sky (n_pix, n_bins) -> y (n_los,)`` as a :class:`chunkop.RowOperator`.
 
@@ -127,6 +128,7 @@ def make_los_operator(
         n_pix: number of plane-of-sky pixels (the sky's first axis).
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
+        progress: ``progress=`` of :class:`chunkop.RowOperator` (True: a bar per kernel call).
 
     Operators with the same number of bins share compiled kernels (the edges are array leaves of
     the operator, so jitted functions taking them as arguments compile once).
@@ -140,7 +142,11 @@ def make_los_operator(
     row_fn, _ = _row_fns(edges)
     rows = {"pix": jnp.asarray(idx, jnp.int32), "d": jnp.asarray(d, dtype), "s": jnp.asarray(s, dtype)}
     return chunkop.RowOperator(
-        row_fn, rows, jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype), chunk_size=chunk_size
+        row_fn,
+        rows,
+        jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype),
+        chunk_size=chunk_size,
+        progress=progress,
     )
 
 
@@ -283,7 +289,9 @@ def true_sky(field: dict) -> jax.Array:
     return _assemble(field["log_rho"], field["g"], field["blob_xy"], field["blob_r"])
 
 
-def make_problem(size: str = "default", *, seed: int = 0, noise: float = 0.02, chunk: int | None = None) -> Problem:
+def make_problem(
+    size: str = "default", *, seed: int = 0, noise: float = 0.02, chunk: int | None = None, progress: Any = None
+) -> Problem:
     """A deterministic synthetic LOS problem: true sky, the users' random lines, noisy data.
 
     ``noise`` is the noise standard deviation relative to the rms of the noise-free data.
@@ -297,13 +305,24 @@ def make_problem(size: str = "default", *, seed: int = 0, noise: float = 0.02, c
     field = _make_field(cfg.nx, cfg.ny, edges, rng)
     pix, d, s = draw_lines(cfg.n_los, cfg.nx * cfg.ny, rng)
     chunk = chunk or cfg.chunk
-    A = make_los_operator(pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk)
+    A = make_los_operator(pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk, progress=progress)
     y_clean = jax.jit(lambda op, f: op.mv(true_sky(f)))(A, field)
     sigma = float(noise * jnp.sqrt(jnp.mean(y_clean**2)))
     eps = rng.standard_normal(cfg.n_los).astype(np.float32)
     y = y_clean + sigma * jnp.asarray(eps)
     prior_mean = jnp.asarray(np.exp(field["log_rho"] + 0.5 * field["g_sd"] ** 2), jnp.float32)
     return Problem(
-        size=size, nx=cfg.nx, ny=cfg.ny, edges=edges, pix=A.rows["pix"], d=A.rows["d"], s=A.rows["s"],
-        y=y, sigma=sigma, prior_mean=prior_mean, field=field, chunk=chunk, iters=cfg.iters,
+        size=size,
+        nx=cfg.nx,
+        ny=cfg.ny,
+        edges=edges,
+        pix=A.rows["pix"],
+        d=A.rows["d"],
+        s=A.rows["s"],
+        y=y,
+        sigma=sigma,
+        prior_mean=prior_mean,
+        field=field,
+        chunk=chunk,
+        iters=cfg.iters,
     )

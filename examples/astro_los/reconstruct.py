@@ -35,7 +35,8 @@ import os
 import resource
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +44,9 @@ import lineax as lx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import los  # noqa: E402
+import los
 
-import chunkop  # noqa: E402
+import chunkop
 
 GiB, MiB = 2**30, 2**20
 T0 = time.perf_counter()
@@ -128,9 +129,7 @@ def normal_operator(A: chunkop.RowOperator, P: los.Problem, sc: dict) -> lx.Abst
     def mv(z: jax.Array) -> jax.Array:
         return mu * A.T.mv(A.mv(mu * z)) * inv_var + prior_apply(z, P, sc)
 
-    return lx.FunctionLinearOperator(
-        mv, A.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag)
-    )
+    return lx.FunctionLinearOperator(mv, A.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag))
 
 
 def rhs(A: chunkop.RowOperator, P: los.Problem) -> jax.Array:
@@ -162,9 +161,7 @@ def jacobi_preconditioner(
             jax.debug.callback(record, jnp.sqrt(jnp.sum(r * r)))
         return inv * r
 
-    return lx.FunctionLinearOperator(
-        mv, A.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag)
-    )
+    return lx.FunctionLinearOperator(mv, A.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag))
 
 
 class Recorder:
@@ -185,7 +182,12 @@ class Recorder:
 
 
 def solve(
-    A: chunkop.RowOperator, P: los.Problem, sc: dict, iters: int, rtol: float, recorder: Recorder | None,
+    A: chunkop.RowOperator,
+    P: los.Problem,
+    sc: dict,
+    iters: int,
+    rtol: float,
+    recorder: Recorder | None,
     stabilise_every: int | None = 10,
 ):
     """Jacobi-preconditioned ``lineax.CG`` on the normal equations; returns ``(z, result, steps)``.
@@ -212,7 +214,7 @@ def chi2_alpha(log_alpha: jax.Array, A: chunkop.RowOperator, sky: jax.Array, y: 
 
 
 def grad_and_curv(log_alpha, A, sky, y, sigma):
-    g = lambda la: jax.grad(chi2_alpha)(la, A, sky, y, sigma)  # noqa: E731
+    g = lambda la: jax.grad(chi2_alpha)(la, A, sky, y, sigma)
     grad, curv = jax.jvp(g, (log_alpha,), (jnp.ones_like(log_alpha),))  # hvp on a scalar
     return chi2_alpha(log_alpha, A, sky, y, sigma), grad, curv
 
@@ -298,13 +300,14 @@ def run(
     fit_s: bool = True,
     figures: bool = True,
     rtol: float = 1e-5,
+    progress: bool = False,
 ) -> dict:
     """Run the example; returns the results dict (also written to ``out/results.json``)."""
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend()}
     timings, memory = {}, {}
     log(f"chunkop LOS example, size={size!r} (jax {jax.__version__}, {jax.default_backend()})")
     t = time.perf_counter()
-    P = los.make_problem(size, chunk=chunk)
+    P = los.make_problem(size, chunk=chunk, progress=progress or None)
     iters = P.iters if iters is None else iters
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
@@ -315,8 +318,14 @@ def run(
         f"made in {timings['make_problem_s']:.1f}s"
     )
     res["problem"] = {
-        "n_pix": P.n_pix, "nx": P.nx, "ny": P.ny, "n_bins": P.n_bins, "n_los": P.n_los,
-        "chunk": P.chunk, "sigma": P.sigma, "sky_bytes": sky_bytes,
+        "n_pix": P.n_pix,
+        "nx": P.nx,
+        "ny": P.ny,
+        "n_bins": P.n_bins,
+        "n_los": P.n_los,
+        "chunk": P.chunk,
+        "sigma": P.sigma,
+        "sky_bytes": sky_bytes,
         "n_los_x_n_bins_bytes": P.n_los * P.n_bins * 4,
     }
     A = P.operator()
@@ -355,7 +364,7 @@ def run(
     log(f"hvp w.r.t. sky: {timings['hvp_sky_s']:.3f}s, temp {fmt_bytes(memory['hvp_sky']['temp_bytes'])}")
 
     ga, memory["grad_hvp_alpha"] = compiled_memory(grad_and_curv, jnp.float32(0.0), A, x, P.y, P.sigma)
-    (c, gval, hval), timings["grad_hvp_alpha_s"] = timed(ga, jnp.float32(0.0), A, x, P.y, P.sigma)
+    (c, _gval, _hval), timings["grad_hvp_alpha_s"] = timed(ga, jnp.float32(0.0), A, x, P.y, P.sigma)
     log(
         f"chi2, grad and 2nd derivative w.r.t. log(s-scale): {timings['grad_hvp_alpha_s']:.3f}s, "
         f"temp {fmt_bytes(memory['grad_hvp_alpha']['temp_bytes'])}; chi2/n at truth = "
@@ -376,7 +385,7 @@ def run(
         rtol, stabilise = 0.0, None
     else:
         stabilise = 10
-    solve_fn = lambda A: solve(A, P, sc, iters, rtol, rec, stabilise)  # noqa: E731
+    solve_fn = lambda A: solve(A, P, sc, iters, rtol, rec, stabilise)
     solve_c, memory["cg_solve"] = compiled_memory(solve_fn, A)
     log(
         f"CG solve compiled in {memory['cg_solve']['compile_s']:.1f}s "
@@ -396,15 +405,19 @@ def run(
         f"{timings['cg_per_iteration_s']:.3f}s per iteration), lineax result: {result_name(result)}"
     )
     res["cg"] = {
-        "iterations": n_steps, "max_iterations": iters, "rtol": rtol, "result": result_name(result),
-        "residual_norms": rec.res, "b_norm": rec.b_norm,
+        "iterations": n_steps,
+        "max_iterations": iters,
+        "rtol": rtol,
+        "result": result_name(result),
+        "residual_norms": rec.res,
+        "b_norm": rec.b_norm,
     }
     sky_hat = sky_from_z(P.prior_mean, z)
     del z
 
     # --- evaluation -------------------------------------------------------------------------------
-    resid_fn = jax.jit(lambda A, s, y: (y - A.mv(s)))
-    resid_mu_fn = jax.jit(lambda A, mu, y: (y - A.mv(jnp.broadcast_to(mu, A.in_structure().shape))))
+    resid_fn = jax.jit(lambda A, s, y: y - A.mv(s))
+    resid_mu_fn = jax.jit(lambda A, mu, y: y - A.mv(jnp.broadcast_to(mu, A.in_structure().shape)))
     resid = np.asarray(resid_fn(A, sky_hat, P.y)) / P.sigma
     resid0 = np.asarray(resid_mu_fn(A, P.prior_mean, P.y)) / P.sigma
     finite = bool(jax.jit(lambda s: jnp.all(jnp.isfinite(s)))(sky_hat))
@@ -442,8 +455,10 @@ def run(
     res["wall_s"] = time.perf_counter() - T0
     log("compiled temp memory of the main jitted functions (beyond their arguments and outputs):")
     for k, m in memory.items():
-        log(f"  {k:16s} temp {fmt_bytes(m['temp_bytes']):>10s}  args {fmt_bytes(m['argument_bytes']):>10s}  "
-            f"out {fmt_bytes(m['output_bytes']):>10s}  compile {m['compile_s']:.1f}s")
+        log(
+            f"  {k:16s} temp {fmt_bytes(m['temp_bytes']):>10s}  args {fmt_bytes(m['argument_bytes']):>10s}  "
+            f"out {fmt_bytes(m['output_bytes']):>10s}  compile {m['compile_s']:.1f}s"
+        )
     log(f"peak RSS of the process: {fmt_bytes(res['peak_rss_bytes'])}")
 
     if out:
@@ -459,9 +474,11 @@ def run(
                 log("matplotlib not installed: no figures (pip install -e '.[examples]')")
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(res, f, indent=1, default=float)
-        log(f"outputs written to {os.path.abspath(out)}/ (results.json"
+        log(
+            f"outputs written to {os.path.abspath(out)}/ (results.json"
             + (", " + ", ".join(os.path.basename(p) for p in res.get("figures", [])) if res.get("figures") else "")
-            + ")")
+            + ")"
+        )
     log(f"done in {time.perf_counter() - T0:.1f}s")
     return res
 
@@ -504,8 +521,13 @@ def make_figures(out, P, x, sky_hat, resid, resid0, col_t, col_h, col_0, res) ->
     # 2. residuals: normalised data residuals, and radial profiles of a few pixels
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
     bins = np.linspace(-6, 6, 121)
-    axes[0].hist(np.clip(resid, -6, 6), bins=bins, density=True, alpha=0.7,
-                 label=f"reconstruction (rms {np.sqrt(np.mean(resid**2)):.2f})")
+    axes[0].hist(
+        np.clip(resid, -6, 6),
+        bins=bins,
+        density=True,
+        alpha=0.7,
+        label=f"reconstruction (rms {np.sqrt(np.mean(resid**2)):.2f})",
+    )
     axes[0].plot([], [], " ", label=f"prior mean: rms {np.sqrt(np.mean(resid0**2)):.1f} (off scale)")
     g = np.linspace(-6, 6, 200)
     axes[0].plot(g, np.exp(-0.5 * g**2) / np.sqrt(2 * np.pi), "k--", label="N(0, 1)")
@@ -550,7 +572,9 @@ def make_figures(out, P, x, sky_hat, resid, resid0, col_t, col_h, col_0, res) ->
         ax.axvline(1.0, color="k", ls=":", label="true alpha")
         ax.set_xlabel("alpha (s -> alpha * s)")
         ax.set_ylabel("chi2 per line")
-        ax.set_title(f"Newton fit of a global s-scale: alpha = {res['s_fit']['alpha']:.4f} +- {res['s_fit']['alpha_sd']:.4f}")
+        ax.set_title(
+            f"Newton fit of a global s-scale: alpha = {res['s_fit']['alpha']:.4f} +- {res['s_fit']['alpha_sd']:.4f}"
+        )
         ax.legend()
         paths.append(os.path.join(out, "s_fit.png"))
         fig.savefig(paths[-1], dpi=90)
@@ -567,8 +591,22 @@ def main(argv=None) -> dict:
     p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5)")
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale fit")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show a progress bar of chunks for every operator kernel call (useful at --size seed)",
+    )
     a = p.parse_args(argv)
-    return run(a.size, a.out, a.chunk, a.iters, fit_s=not a.no_fit_s, figures=not a.no_figures, rtol=a.rtol)
+    return run(
+        a.size,
+        a.out,
+        a.chunk,
+        a.iters,
+        fit_s=not a.no_fit_s,
+        figures=not a.no_figures,
+        rtol=a.rtol,
+        progress=a.progress,
+    )
 
 
 if __name__ == "__main__":

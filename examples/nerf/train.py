@@ -24,11 +24,10 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nerf  # noqa: E402
+import nerf
 
 
 def parse_args(argv=None):
@@ -249,17 +248,14 @@ def main(argv=None):
     if not a.no_mem:
         point_budget = cfg.chunk * min(a.mem_samples)
         print(
-            f"memory of the training step ({a.res}x{a.res} rays, width {cfg.width}), "
-            "compiled only, nothing executed:",
+            f"memory of the training step ({a.res}x{a.res} rays, width {cfg.width}), compiled only, nothing executed:",
             flush=True,
         )
         table = memory_table(cfg, a.mem_samples, point_budget)
         save_memory_png(os.path.join(a.out, "memory.png"), table, a.mem_samples, a.res, cfg.chunk)
         results["memory_temp_bytes"] = table
         written.append("memory.png")
-        head = f"| {'training step temp memory (MiB)':<40s} | " + " | ".join(
-            f"S={s:<5d}" for s in a.mem_samples
-        ) + " |"
+        head = f"| {'training step temp memory (MiB)':<40s} | " + " | ".join(f"S={s:<5d}" for s in a.mem_samples) + " |"
         print(head)
         print("|" + "-" * (len(head) - 2) + "|")
         for name, row in table.items():

@@ -74,7 +74,11 @@ def check_remat(remat: Any, where: str = "chunkop") -> Any:
             f"{where}: `remat`={remat!r} is not a usable checkpoint policy: calling it as "
             f"policy(primitive, *avals, **params) raised {type(e).__name__}: {e}"
         ) from None
-    if not isinstance(answer, (bool, np.bool_)) and type(answer).__name__ not in ("Saveable", "Recompute", "Offloadable"):
+    if not isinstance(answer, (bool, np.bool_)) and type(answer).__name__ not in (
+        "Saveable",
+        "Recompute",
+        "Offloadable",
+    ):
         raise TypeError(
             f"{where}: `remat`={remat!r} is not a checkpoint policy: policy(primitive, *avals) "
             f"returned {answer!r}, expected a bool."
@@ -202,7 +206,10 @@ def flat_in_axes(
 
 
 def mapped_size(
-    leaves: Sequence[Any], axes: Sequence[int | None], paths: Sequence[str], axis_size: int | None,
+    leaves: Sequence[Any],
+    axes: Sequence[int | None],
+    paths: Sequence[str],
+    axis_size: int | None,
     where: str = "chunkop.vmap",
 ) -> int:
     """The common size of the mapped axis, with an error naming the arguments that disagree."""
@@ -221,9 +228,7 @@ def mapped_size(
             )
     if first is None:
         if axis_size is None:
-            raise ValueError(
-                f"{where}: no argument is mapped (all in_axes are None), so `axis_size` must be given."
-            )
+            raise ValueError(f"{where}: no argument is mapped (all in_axes are None), so `axis_size` must be given.")
         return int(axis_size)
     if axis_size is not None and int(axis_size) != first[2]:
         raise ValueError(

@@ -37,7 +37,16 @@ import numpy as np
 from jax._src import linear_util as _lu  # WrappedFun: how JAX holds custom rules in a jaxpr
 from jax.extend import core as jex_core
 
-__all__ = ["Uncacheable", "ClosesOverTracer", "jaxpr_key", "callable_key", "value_key", "cached", "clear_caches", "MAX_ENTRIES"]
+__all__ = [
+    "Uncacheable",
+    "ClosesOverTracer",
+    "jaxpr_key",
+    "callable_key",
+    "value_key",
+    "cached",
+    "clear_caches",
+    "MAX_ENTRIES",
+]
 
 MAX_ENTRIES = 128
 
@@ -57,7 +66,7 @@ class ClosesOverTracer(Uncacheable):
 class _Ident:
     """Identity of a live object, held weakly: equal only to an ``_Ident`` of the same live object."""
 
-    __slots__ = ("_ref", "_id")
+    __slots__ = ("_id", "_ref")
 
     def __init__(self, obj: Any) -> None:
         try:

@@ -42,9 +42,7 @@ def _rmv(operator: Any, y: Any) -> Any:
 def _random_like(key: jax.Array, structure: Any) -> Any:
     leaves, tree = jax.tree_util.tree_flatten(structure)
     keys = jax.random.split(key, max(len(leaves), 1))
-    return jax.tree_util.tree_unflatten(
-        tree, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)]
-    )
+    return jax.tree_util.tree_unflatten(tree, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves)])
 
 
 def _wide(a: jax.Array) -> jax.Array:
@@ -54,9 +52,7 @@ def _wide(a: jax.Array) -> jax.Array:
 
 def _dot(a: Any, b: Any) -> jax.Array:
     """The bilinear pairing ``sum a * b`` (no conjugation: ``A.T`` is the transpose, not the adjoint)."""
-    return sum(
-        jnp.sum(_wide(x) * _wide(y)) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b))
-    )
+    return sum(jnp.sum(_wide(x) * _wide(y)) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
 
 
 def default_rtol(dtype: Any) -> float:
@@ -78,7 +74,9 @@ def _norm(a: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.abs(_wide(x)) ** 2) for x in jax.tree_util.tree_leaves(a)))
 
 
-def check_linear(operator: AbstractRowOperator | TransposedRowOperator, *, key: jax.Array | None = None, rtol: float | None = None) -> dict:
+def check_linear(
+    operator: AbstractRowOperator | TransposedRowOperator, *, key: jax.Array | None = None, rtol: float | None = None
+) -> dict:
     """Check numerically that ``operator`` is linear and that ``operator.T`` is its transpose.
 
     Four tests on random vectors ``x1, x2`` (in the input space) and ``y`` (output space), where
@@ -151,7 +149,8 @@ def check_linear(operator: AbstractRowOperator | TransposedRowOperator, *, key: 
             f"a A(x1) + b A(x2) by {errors['superposition']:.3g} (relative; tolerance {rtol:.3g})."
         )
     errors["matvec"] = float(
-        _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), _mv(operator, x1), ax1)) / (_norm(ax1) + jnp.finfo(dtype).tiny)
+        _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), _mv(operator, x1), ax1))
+        / (_norm(ax1) + jnp.finfo(dtype).tiny)
     )
     if errors["matvec"] > rtol:
         raise ValueError(

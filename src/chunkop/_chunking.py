@@ -71,9 +71,7 @@ def _full_chunks(
     return jnp.arange(plan.n_full, dtype=jnp.int32), rematerialise(read_and_apply, remat)
 
 
-def _remainder(
-    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat
-) -> Any:
+def _remainder(chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat) -> Any:
     """``chunk_fn`` on the last ``n % chunk`` elements (only called when there are some)."""
     cut = plan.n_full * plan.chunk
     return rematerialise(lambda rest: chunk_fn(list(rest), plan.rem), remat)([x[cut:] for x in mapped])

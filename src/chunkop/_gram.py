@@ -61,11 +61,11 @@ def gram_diagonal(
     """
     operator, transposed = row_form(operator, "gram_diagonal")
     if transposed:
-        raise TypeError("gram_diagonal: expected a RowOperator (an AbstractRowOperator), got the transpose of one (A.T).")
-    if squared_row_fn is not None:
-        squared = RowOperator(
-            squared_row_fn, operator.rows, operator.in_structure(), chunk_size=operator.chunk_size
+        raise TypeError(
+            "gram_diagonal: expected a RowOperator (an AbstractRowOperator), got the transpose of one (A.T)."
         )
+    if squared_row_fn is not None:
+        squared = RowOperator(squared_row_fn, operator.rows, operator.in_structure(), chunk_size=operator.chunk_size)
         ones = jax.tree_util.tree_map(lambda s: jnp.ones(s.shape, s.dtype), squared.out_structure())
         return squared.T.mv(ones)
     x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
@@ -74,7 +74,7 @@ def gram_diagonal(
         chunk_size = max(1, min(operator.chunk_size, 2**22 // max(flat_x.size, 1)))
 
     def squared_coefficients(row: Any) -> jax.Array:
-        f = lambda v: ravel_pytree(operator.row_fn(row, unravel(v)))[0]  # noqa: E731
+        f = lambda v: ravel_pytree(operator.row_fn(row, unravel(v)))[0]
         return jnp.sum(jnp.abs(linear_jacobian(f, flat_x)) ** 2, axis=0)
 
     return unravel(chunked_sum(squared_coefficients, chunk_size=chunk_size)(operator.rows))

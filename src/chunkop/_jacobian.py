@@ -77,8 +77,7 @@ def _check_float(tree: Any, where: str, what: str, *, real: bool = False) -> Non
         if not jnp.issubdtype(jnp.result_type(leaf), kind):
             raise TypeError(
                 f"{where}: differentiation requires {'real ' if real else ''}float {what}, got "
-                f"dtype {jnp.result_type(leaf)}"
-                + (" (complex differentiation is not supported)." if real else ".")
+                f"dtype {jnp.result_type(leaf)}" + (" (complex differentiation is not supported)." if real else ".")
             )
 
 
@@ -134,9 +133,7 @@ def jacrev(
         blocks, offset = [], 0
         for o in out_leaves:
             blocks.append(
-                jax.tree_util.tree_map(
-                    lambda r, o=o, s=offset: r[s : s + o.size].reshape(o.shape + r.shape[1:]), rows
-                )
+                jax.tree_util.tree_map(lambda r, o=o, s=offset: r[s : s + o.size].reshape(o.shape + r.shape[1:]), rows)
             )
             offset += o.size
         blocks = [b[0] if _is_int(argnums) else b for b in blocks]
@@ -182,9 +179,9 @@ def jacfwd(
     def jac(*args: Any, **kwargs: Any) -> Any:
         f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=True)
         if has_aux:
-            out, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
+            _, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
         else:
-            out, pushforward = jax.linearize(f, *dyn)
+            _, pushforward = jax.linearize(f, *dyn)
         flat_in, unravel = ravel_pytree(dyn)
         n = flat_in.size
         cols = vmap(

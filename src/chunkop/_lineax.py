@@ -51,8 +51,7 @@ def _(operator):
 def _check_square(operator, name: str) -> None:
     if operator.in_size() != operator.out_size():
         raise ValueError(
-            f"lineax.{name}: the operator is not square (out_size {operator.out_size()}, "
-            f"in_size {operator.in_size()})."
+            f"lineax.{name}: the operator is not square (out_size {operator.out_size()}, in_size {operator.in_size()})."
         )
 
 

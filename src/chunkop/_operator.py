@@ -14,6 +14,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from . import _budget, _rows, _sharding
+from ._progress import Progress, check_progress
 from ._vmap import vmap
 
 __all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
@@ -26,9 +27,7 @@ def _fmt(structs: Any) -> str:
 def _as_struct_tree(in_structure: Any) -> tuple[tuple, Any]:
     def to_struct(s: Any) -> jax.ShapeDtypeStruct:
         if not hasattr(s, "shape") or not hasattr(s, "dtype"):
-            raise TypeError(
-                f"RowOperator: `in_structure` leaves must be jax.ShapeDtypeStruct (or arrays), got {s!r}."
-            )
+            raise TypeError(f"RowOperator: `in_structure` leaves must be jax.ShapeDtypeStruct (or arrays), got {s!r}.")
         if not jnp.issubdtype(s.dtype, jnp.inexact):
             raise TypeError(f"RowOperator: `in_structure` must describe float arrays, got dtype {s.dtype}.")
         return jax.ShapeDtypeStruct(tuple(s.shape), jnp.dtype(s.dtype))
@@ -212,6 +211,7 @@ class RowOperator(AbstractRowOperator):
         *,
         chunk_size: int | str,
         tags: object | Iterable[object] = (),
+        progress: Progress = None,
         memory_budget: int | None = None,
     ) -> None:
         """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
@@ -229,6 +229,8 @@ class RowOperator(AbstractRowOperator):
                 largest chunk whose compiled temp memory (``mv``, ``T.mv`` and their VJPs)
                 fits ``memory_budget`` (see :func:`chunkop.plan`).
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
+            progress: as in :func:`chunkop.vmap`: every kernel (``mv``, ``T.mv``, their
+                derivatives) reports its chunks from inside the compiled loop.
             memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
                 device's free memory.
         """
@@ -237,6 +239,7 @@ class RowOperator(AbstractRowOperator):
         chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where="RowOperator")
         n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
+        progress = check_progress(progress, "RowOperator")
         if chunk_size == "auto":
             x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
             self.budget_plan = _budget.plan_rows(row_fn, rows, x_struct, memory_budget)
@@ -244,7 +247,7 @@ class RowOperator(AbstractRowOperator):
         self.mesh_axes = _sharding.row_mesh(rows)
         with _sharding.spec_context(rows):  # rows over devices: trace without a mesh context
             self.spec, self.consts = _rows.make_spec(
-                row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size
+                row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
             )
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
@@ -396,7 +399,7 @@ def _dense(base: AbstractRowOperator) -> jax.Array:
     flat_x, unravel_x = ravel_pytree(x0)
 
     def row_matrix(row: Any) -> jax.Array:
-        f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]  # noqa: E731
+        f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]
         return linear_jacobian(f, flat_x)  # (row_out_size, in_size); exact: f is linear
 
     blocks = vmap(row_matrix, chunk_size=base.chunk_size)(base.rows)

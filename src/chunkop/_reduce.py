@@ -48,7 +48,9 @@ def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = Fals
         init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
         total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
         if divide:
-            total = [t / plan.size if jnp.issubdtype(t.dtype, jnp.inexact) else t / jnp.float32(plan.size) for t in total]
+            total = [
+                t / plan.size if jnp.issubdtype(t.dtype, jnp.inexact) else t / jnp.float32(plan.size) for t in total
+            ]
         return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
 
     return loop
@@ -69,7 +71,6 @@ class _Summed(_Chunked):
             spmd_axis_name=self.spmd_axis_name,
         )(*args, **kwargs)
         return jax.tree_util.tree_map(lambda o: self.reduce(o, axis=0), outs)
-
 
     def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
@@ -111,7 +112,7 @@ def _make(
 
 def sum(  # noqa: A001
     fun: Callable,
-    in_axes: int | None | tuple | list = 0,
+    in_axes: int | tuple | list | None = 0,
     *,
     chunk_size: int | str | None,
     axis_size: int | None = None,
@@ -151,7 +152,7 @@ def sum(  # noqa: A001
 
 def mean(
     fun: Callable,
-    in_axes: int | None | tuple | list = 0,
+    in_axes: int | tuple | list | None = 0,
     *,
     chunk_size: int | str | None,
     axis_size: int | None = None,

@@ -39,6 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from ._cache import Uncacheable, callable_key, jaxpr_key
+from ._chunking import make_plan, stack_chunks, sum_chunks
+from ._progress import Progress
+
 __all__ = ["Spec", "make_spec", "apply", "apply_transpose"]
 
 _tu = jax.tree_util
@@ -47,47 +51,27 @@ _tu = jax.tree_util
 # -- the static description of an operator ------------------------------------------------------
 
 
-def _opaque(jaxpr: Any) -> bool:
-    """Whether ``jaxpr``'s printed form may not determine what it computes.
-
-    Callables in equation parameters (``custom_jvp`` rules, ``custom_vjp`` functions, host
-    callbacks) and values closed into sub-jaxprs are printed by name only.
-    """
-    for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            for item in value if isinstance(value, (tuple, list)) else (value,):
-                inner = getattr(item, "jaxpr", None)
-                if hasattr(item, "eqns"):
-                    if _opaque(item):
-                        return True
-                elif inner is not None and hasattr(inner, "eqns"):  # a ClosedJaxpr
-                    if getattr(item, "consts", ()) or _opaque(inner):
-                        return True
-                elif hasattr(item, "call_wrapped") or (  # (a linear_util.WrappedFun)
-                    callable(item) and not isinstance(item, (jax.sharding.Mesh, jax.sharding.AbstractMesh))
-                ):
-                    return True
-    return False
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Spec:
     """The static part of an operator: ``row_fn``'s jaxpr and the structures around it.
 
     Hashable, and passed as a static argument of the jitted kernels. Two specs are equal when
-    their ``key`` is (the printed jaxpr, whose constants are variables, plus the structures):
-    then they compute the same function of ``(consts, row, x)``, and share compiled kernels.
-    A jaxpr whose printed form may not determine it (see :func:`_opaque`) gets no key: its
-    spec is equal only to itself.
+    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._cache.jaxpr_key`, whose
+    constants are variables, plus the structures): then they compute the same function of
+    ``(consts, row, x)``, and share compiled kernels. A jaxpr that cannot be fingerprinted gets
+    no key: its spec is equal only to itself.
     """
 
-    jaxpr: Any = dataclasses.field(repr=False)  # open jaxpr: constvars = the closed-over arrays; invars = row leaves, x leaves
+    jaxpr: Any = dataclasses.field(
+        repr=False
+    )  # open jaxpr: constvars = the closed-over arrays; invars = row leaves, x leaves
     chunk_size: int
     in_leaves: tuple  # ShapeDtypeStructs of x's leaves
     in_tree: Any  # x's treedef
     row_tree: Any  # a row's treedef
     out_tree: Any  # a row's output treedef
     key: Any = dataclasses.field(default=None, repr=False)
+    progress: Progress = dataclasses.field(default=None, repr=False)  # reported by every kernel's loop
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -114,7 +98,9 @@ class Spec:
         return jax.vmap(self.row_fn, (None, 0, None))(consts, rows_c, x)
 
 
-def make_spec(row_fn: Callable, rows: Any, in_structure: Any, chunk_size: int) -> tuple[Spec, tuple]:
+def make_spec(
+    row_fn: Callable, rows: Any, in_structure: Any, chunk_size: int, progress: Progress = None
+) -> tuple[Spec, tuple]:
     """Trace ``row_fn`` on one row and ``x``: its :class:`Spec`, and the arrays it closes over.
 
     Every array constant of the trace (a closed-over ``jax.Array``, NumPy array or tracer) is
@@ -128,10 +114,12 @@ def make_spec(row_fn: Callable, rows: Any, in_structure: Any, chunk_size: int) -
     jaxpr = closed.jaxpr
     row_tree = _tu.tree_structure(row0)
     out_tree = _tu.tree_structure(out_shape)
-    key = None
-    if not _opaque(jaxpr):
-        key = (str(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree)
-    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key)
+    try:
+        progress_key = progress if progress is None or isinstance(progress, bool) else callable_key(progress)
+        key = (jaxpr_key(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, progress_key)
+    except Uncacheable:
+        key = None
+    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key, progress)
     return spec, tuple(closed.consts)
 
 
@@ -169,55 +157,35 @@ def _zeros(structure: Any) -> Any:
 # -- the chunk loop -------------------------------------------------------------------------------
 
 
-def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, chunk_size: int, sum_like: Any = None) -> Any:
-    """Run ``per_chunk(chunk, unmapped)`` over chunks of the leading axis of ``mapped``.
+def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum_like: Any = None) -> Any:
+    """Run ``per_chunk(chunk, unmapped)`` over chunks of ``spec.chunk_size`` rows of ``mapped``.
 
     Stacks the per-chunk outputs (leading axis ``n_rows``), or, with ``sum_like`` (a pytree of
-    ``ShapeDtypeStruct``), sums them in at least float32 and returns ``sum_like``'s dtypes.
-    Full chunks run in a ``lax.scan`` with a ``jax.checkpoint``-ed body; the last ``n % chunk``
-    rows are one more call. When ``chunk`` divides ``n`` the chunks are a free reshape;
-    otherwise each full chunk is read inside the checkpointed body with an in-bounds
-    ``dynamic_slice`` (no copy of the first ``n - n % chunk`` rows). ``unmapped`` enters
-    widened and is narrowed back per chunk (see the module docstring).
+    ``ShapeDtypeStruct``), sums them in at least float32 and returns ``sum_like``'s dtypes. The
+    loop is :mod:`chunkop._chunking`'s (a checkpointed scan over full chunks, read without a copy,
+    plus one remainder call). ``unmapped`` enters widened and is narrowed back per chunk, so
+    reverse mode sums its cotangents over chunks in the wide dtype (see the module docstring).
     """
-    n = _tu.tree_leaves(mapped)[0].shape[0]
-    chunk = max(1, min(chunk_size, n))
-    n_full, rem = divmod(n, chunk)
+    leaves, tree = _tu.tree_flatten(mapped)
+    plan = make_plan(leaves[0].shape[0], spec.chunk_size)
     wide = _widen(unmapped)
+    out_tree: list = []
 
-    def run_chunk(chunk_data: Any, wide_unmapped: Any) -> Any:
-        out = per_chunk(chunk_data, _narrow(wide_unmapped, unmapped))
-        return out if sum_like is None else _widen(out)
+    def run(chunk: list, m: int) -> list:
+        out = per_chunk(_tu.tree_unflatten(tree, chunk), _narrow(wide, unmapped))
+        out_leaves, treedef = _tu.tree_flatten(out if sum_like is None else _widen(out))
+        out_tree.append(treedef)
+        return out_leaves
 
-    if rem == 0:  # chunks by reshaping (free)
-        step = jax.checkpoint(run_chunk, prevent_cse=False)
-        xs = _tu.tree_map(lambda a: a.reshape((n_full, chunk) + a.shape[1:]), mapped)
-        item = lambda c: step(c, wide)  # noqa: E731
-    else:  # chunks read by index inside the checkpointed body
-
-        def read_and_run(i: jax.Array, wide_unmapped: Any) -> Any:
-            data = _tu.tree_map(lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk), mapped)
-            return run_chunk(data, wide_unmapped)
-
-        step = jax.checkpoint(read_and_run, prevent_cse=False)
-        xs = jnp.arange(n_full, dtype=jnp.int32)
-        item = lambda i: step(i, wide)  # noqa: E731
-
-    def tail() -> Any:
-        data = _tu.tree_map(lambda a: a[n_full * chunk :], mapped)
-        return jax.checkpoint(run_chunk, prevent_cse=False)(data, wide)
-
-    if sum_like is None:
-        _, ys = jax.lax.scan(lambda c, x: (c, item(x)), None, xs, length=n_full)
-        out = _tu.tree_map(lambda a: a.reshape((n_full * chunk,) + a.shape[2:]), ys)
-        if rem:
-            out = _tu.tree_map(lambda a, b: jnp.concatenate([a, b]), out, tail())
-        return out
-    acc = _widen(_zeros(sum_like))
-    acc, _ = jax.lax.scan(lambda acc, x: (_tu.tree_map(jnp.add, acc, item(x)), None), acc, xs, length=n_full)
-    if rem:
-        acc = _tu.tree_map(jnp.add, acc, tail())
-    return _narrow(acc, sum_like)
+    if sum_like is not None:
+        init = _tu.tree_leaves(_widen(_zeros(sum_like)))
+        acc = sum_chunks(run, leaves, plan, True, init, spec.progress)
+        return _narrow(_tu.tree_unflatten(_tu.tree_structure(sum_like), acc), sum_like)
+    full, rem, _ = stack_chunks(lambda chunk, m: (run(chunk, m), []), leaves, plan, True, progress=spec.progress)
+    out = [f.reshape((plan.n_full * plan.chunk,) + f.shape[2:]) for f in full]  # (no -1: rows may be empty)
+    if rem is not None:
+        out = [jnp.concatenate([f, r]) for f, r in zip(out, rem)]
+    return _tu.tree_unflatten(out_tree[0], out)
 
 
 # -- the kernels ----------------------------------------------------------------------------------
@@ -258,9 +226,9 @@ def _transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any, split: bool
     """
     if split:
         fn, weights = _linear_parts(spec, consts, rows_c)
-        f = lambda v: fn(v, *weights)  # noqa: E731
+        f = lambda v: fn(v, *weights)
     else:
-        f = lambda v: spec.vrow_fn(consts, rows_c, v)  # noqa: E731
+        f = lambda v: spec.vrow_fn(consts, rows_c, v)
     (ct,) = jax.linear_transpose(f, spec.in_structure())(y_c)
     return ct
 
@@ -283,7 +251,7 @@ def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
         fn, weights = _linear_parts(spec, consts, rows_c)
         return fn(x, *weights)
 
-    return _chunk_loop(per_chunk, rows, (consts, x), spec.chunk_size)
+    return _chunk_loop(per_chunk, rows, (consts, x), spec)
 
 
 def backward(spec: Spec, consts: Any, rows: Any, y: Any) -> Any:
@@ -293,7 +261,7 @@ def backward(spec: Spec, consts: Any, rows: Any, y: Any) -> Any:
         rows_c, y_c = chunk
         return _transpose_chunk(spec, consts, rows_c, y_c)
 
-    return _chunk_loop(per_chunk, (rows, y), consts, spec.chunk_size, sum_like=spec.in_structure())
+    return _chunk_loop(per_chunk, (rows, y), consts, spec, sum_like=spec.in_structure())
 
 
 def forward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any, x: Any) -> Any:
@@ -308,7 +276,7 @@ def forward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
         return jax.jvp(lambda c, r: spec.vrow_fn(c, r, x), (consts, rows_c), tangents)[1]
 
-    return _chunk_loop(per_chunk, (rows, drows), (consts, dconsts, x), spec.chunk_size)
+    return _chunk_loop(per_chunk, (rows, drows), (consts, dconsts, x), spec)
 
 
 def backward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any, y: Any) -> Any:
@@ -320,7 +288,7 @@ def backward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: An
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
         return jax.jvp(lambda c, r: _transpose_chunk(spec, c, r, y_c, split=False), (consts, rows_c), tangents)[1]
 
-    return _chunk_loop(per_chunk, (rows, drows, y), (consts, dconsts), spec.chunk_size, sum_like=spec.in_structure())
+    return _chunk_loop(per_chunk, (rows, drows, y), (consts, dconsts), spec, sum_like=spec.in_structure())
 
 
 # -- custom_jvp wrappers ------------------------------------------------------------------------
@@ -356,7 +324,9 @@ def _linear_rule(kernel_dparams: Callable, self_fn: Callable) -> Callable:
         out = self_fn(spec, consts, rows, v)
         terms = []
         if not all(_is_zero(t) for t in _tu.tree_leaves(dv, is_leaf=_is_zero)):
-            dv = _tu.tree_map(lambda t, p: jnp.zeros(np.shape(p), _dtype(p)) if _is_zero(t) else t, dv, v, is_leaf=_is_zero)
+            dv = _tu.tree_map(
+                lambda t, p: jnp.zeros(np.shape(p), _dtype(p)) if _is_zero(t) else t, dv, v, is_leaf=_is_zero
+            )
             terms.append(self_fn(spec, consts, rows, dv))
         dconsts, c_nonzero = _float_tangents(consts, dconsts)
         drows, r_nonzero = _float_tangents(rows, drows)

@@ -6,11 +6,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import lineax as lx
 import numpy as np
 import scipy.sparse.linalg as spla
 from jax.flatten_util import ravel_pytree
-
-import lineax as lx
 
 __all__ = ["to_scipy"]
 
@@ -49,7 +48,7 @@ def to_scipy(operator: lx.AbstractLinearOperator) -> spla.LinearOperator:
             f"chunkop.RowOperator), got {type(operator).__name__}."
         )
     in_struct, out_struct = operator.in_structure(), operator.out_structure()
-    zeros = lambda s: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s)  # noqa: E731
+    zeros = lambda s: jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), s)
     in_flat, unravel_in = ravel_pytree(zeros(in_struct))
     out_flat, unravel_out = ravel_pytree(zeros(out_struct))
     dtype = np.dtype(jnp.result_type(in_flat.dtype, out_flat.dtype))

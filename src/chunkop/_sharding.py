@@ -181,7 +181,7 @@ def call_sharded(
         ``wrapper(*args, **kwargs)``, with stacked outputs sharded along the mapped axis.
     """
     where = getattr(wrapper, "where", "chunkop")
-    names = mesh_axes.names
+    _, names = mesh_axes
     shards = mesh_axes.n_shards
     if n % shards:
         raise ValueError(
@@ -395,8 +395,11 @@ def sharded_apply(apply: Callable, spec: Any, consts: Any, rows: Any, x: Any, me
         with _inside_local():
             return apply(spec, c, r, v)
 
-    consts, x = _conform(consts, rep(consts), mesh_axes), _conform(x, rep(x), mesh_axes)
-    rows = _conform(rows, row_specs, mesh_axes)
+    consts, rows, x = (
+        _conform(consts, rep(consts), mesh_axes),
+        _conform(rows, row_specs, mesh_axes),
+        _conform(x, rep(x), mesh_axes),
+    )
     return jax.shard_map(
         local,
         mesh=mesh_axes.mesh,
@@ -434,8 +437,11 @@ def sharded_apply_transpose(
             part = apply_transpose(spec, c, r, w)
         return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), part)
 
-    consts, y = _conform(consts, rep(consts), mesh_axes), _conform(y, y_specs, mesh_axes)
-    rows = _conform(rows, row_specs, mesh_axes)
+    consts, rows, y = (
+        _conform(consts, rep(consts), mesh_axes),
+        _conform(rows, row_specs, mesh_axes),
+        _conform(y, y_specs, mesh_axes),
+    )
     return jax.shard_map(
         local,
         mesh=mesh_axes.mesh,

@@ -58,7 +58,9 @@ def _widen(consts: list) -> tuple[list, list]:
     copy back, exactly: bf16 -> f32 -> bf16 is lossless).
     """
     dtypes = [jnp.result_type(c) for c in consts]
-    return [jnp.asarray(c, _accumulation_dtype(d)) if _accumulation_dtype(d) != d else c for c, d in zip(consts, dtypes)], dtypes
+    return [
+        jnp.asarray(c, _accumulation_dtype(d)) if _accumulation_dtype(d) != d else c for c, d in zip(consts, dtypes)
+    ], dtypes
 
 
 def _narrow(consts: list, dtypes: list) -> list:
@@ -110,7 +112,11 @@ def stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, l
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
         ys_full, ys_rem, zs = stack_chunks(
-            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, [out_leaves[k] for k in carried],
+            chunk_fn,
+            _moved(mapped, spec.axes),
+            plan,
+            spec.remat,
+            [out_leaves[k] for k in carried],
             progress=spec.progress,
         )
         result: list[Any] = [None] * len(out_leaves)
@@ -179,8 +185,15 @@ class _Chunked(abc.ABC):
         if self.chunk_size is None or n <= self.chunk_size:
             return self._unchunked(args, kwargs)
         traced = trace_example(
-            self.fun, leaves, treedef, axes, n,
-            axis_name=self.axis_name, chunk_size=self.chunk_size, remat=self.remat, where=self.where,
+            self.fun,
+            leaves,
+            treedef,
+            axes,
+            n,
+            axis_name=self.axis_name,
+            chunk_size=self.chunk_size,
+            remat=self.remat,
+            where=self.where,
         )
         if not traced.stageable:
             return self._join(self._unstaged_chunks(leaves, treedef, axes, n), traced.out_shapes, n)
@@ -211,7 +224,10 @@ class _Chunked(abc.ABC):
             flat = [x if a is None else jax.lax.slice_in_dim(x, start, start + m, axis=a) for x, a in zip(leaves, axes)]
             args, kwargs = jax.tree_util.tree_unflatten(treedef, flat)
             vmapped = jax.vmap(
-                self.fun, in_axes=self.in_axes, out_axes=self._out_axes_spec(), axis_size=m,
+                self.fun,
+                in_axes=self.in_axes,
+                out_axes=self._out_axes_spec(),
+                axis_size=m,
                 spmd_axis_name=self.spmd_axis_name,
             )
             outs.append(jax.tree_util.tree_leaves(vmapped(*args, **kwargs)))
@@ -263,7 +279,7 @@ class _VMapped(_Chunked):
         return self.out_axes
 
     def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+        out_tree = jax.tree_util.tree_structure(out_shapes)
         oaxes = flat_out_axes(self.out_axes, out_shapes, self.where)
         joined = [
             chunk_outs[-1][k] if a is None else jnp.concatenate([c[k] for c in chunk_outs], axis=a)
@@ -287,7 +303,7 @@ class _VMapped(_Chunked):
             # (from `fun` itself) is jax.vmap's, re-raised as is.
             try:
                 shapes = jax.eval_shape(vmapped(out_axes=0), *args, **kwargs)
-            except Exception:
+            except Exception:  # noqa: BLE001 - fun's own error: re-raised below as jax.vmap's
                 shapes = None
             if shapes is not None:
                 per_example = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes)
@@ -297,7 +313,7 @@ class _VMapped(_Chunked):
 
 def vmap(
     fun: Callable,
-    in_axes: int | None | tuple | list = 0,
+    in_axes: int | tuple | list | None = 0,
     out_axes: Any = 0,
     *,
     chunk_size: int | None = None,
@@ -395,7 +411,12 @@ class _Mapped(_VMapped):
 
 
 def map(  # noqa: A001
-    f: Callable, xs: Any, *, chunk_size: int | str, remat: Remat = True, progress: Progress = None,
+    f: Callable,
+    xs: Any,
+    *,
+    chunk_size: int | str,
+    remat: Remat = True,
+    progress: Progress = None,
     memory_budget: int | None = None,
 ) -> Any:
     """``jax.lax.map(f, xs)`` over the leading axis of the pytree ``xs``, ``chunk_size`` at a time.
@@ -424,7 +445,15 @@ def map(  # noqa: A001
     """
     chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=_Mapped.where)
     mapped = _Mapped(
-        f, 0, 0, chunk_size=chunk_size, axis_name=None, axis_size=None, spmd_axis_name=None, remat=remat,
-        progress=progress, memory_budget=memory_budget,
+        f,
+        0,
+        0,
+        chunk_size=chunk_size,
+        axis_name=None,
+        axis_size=None,
+        spmd_axis_name=None,
+        remat=remat,
+        progress=progress,
+        memory_budget=memory_budget,
     )
     return mapped(xs)
