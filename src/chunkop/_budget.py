@@ -636,8 +636,9 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
         f: a function made by ``chunkop.vmap`` / ``sum`` / ``mean`` (or ``chunkop.map``'s
             wrapper) with ``chunk_size="auto"``, or a ``chunkop.RowOperator`` (or its transpose)
             built with ``chunk_size="auto"``.
-        *args, **kwargs: the arguments ``f`` would be called with (only their shapes and
+        *args: the positional arguments ``f`` would be called with (only their shapes and
             dtypes are used: they may be tracers); not needed for an operator.
+        **kwargs: its keyword arguments, likewise.
 
     Returns:
         The :class:`BudgetPlan`: ``chunk`` (None: no chunking), ``budget``, ``mode``,
