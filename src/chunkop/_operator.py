@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -109,22 +110,22 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
     tags: eqx.AbstractVar[frozenset]
 
     @property
+    @abc.abstractmethod
     def row_fn(self) -> Callable:
         """The per-row function ``row_fn(row, x)`` (linear in ``x``)."""
-        raise NotImplementedError
 
     @property
+    @abc.abstractmethod
     def chunk_size(self) -> int:
         """The number of rows computed at once."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def apply(self, vector: Any) -> Any:
         """The matvec kernel ``A x`` (``vector`` already checked against ``in_structure()``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def apply_transpose(self, vector: Any) -> Any:
         """The transposed kernel ``A^T y`` (``vector`` already checked against ``out_structure()``)."""
-        raise NotImplementedError
 
     @property
     def n_rows(self) -> int:
@@ -330,6 +331,14 @@ class TransposedRowOperator(lx.AbstractLinearOperator):
     def tags(self) -> frozenset:
         """The original operator's tags, transposed (``lineax.transpose_tags``)."""
         return lx.transpose_tags(self.operator.tags)
+
+    def apply(self, vector: Any) -> Any:
+        """The kernel of ``A^T y``: the original operator's transposed kernel."""
+        return self.operator.apply_transpose(vector)
+
+    def apply_transpose(self, vector: Any) -> Any:
+        """The kernel of ``(A^T)^T x = A x``: the original operator's matvec kernel."""
+        return self.operator.apply(vector)
 
     def mv(self, vector: Any) -> Any:
         """``A^T y``.
