@@ -25,7 +25,16 @@ import jax.numpy as jnp
 
 from ._progress import Progress, progress_hook
 
-__all__ = ["ChunkPlan", "make_plan", "rematerialise", "stack_chunks", "sum_chunks"]
+__all__ = [
+    "ChunkPlan",
+    "make_plan",
+    "rematerialise",
+    "stack_chunks",
+    "sum_chunks",
+    "accumulation_dtype",
+    "widen",
+    "narrow",
+]
 
 Remat = bool | Callable[..., Any]
 
@@ -37,6 +46,35 @@ class ChunkPlan(NamedTuple):
     chunk: int
     n_full: int
     rem: int
+
+
+def accumulation_dtype(dtype: Any) -> Any:
+    """What sums over chunks accumulate in: float32 for floats narrower than 32 bits, else ``dtype``."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
+def widen(tree: Any) -> Any:
+    """``tree`` with every leaf in its :func:`accumulation_dtype`.
+
+    Operands that every chunk reads (unmapped constants) enter the scan widened and each chunk
+    narrows its copy back (exactly: bf16 -> f32 -> bf16 is lossless), so reverse mode sums their
+    cotangents over chunks in the scan's carry in float32.
+    """
+
+    def one(a: Any) -> Any:
+        dtype = jnp.result_type(a)
+        return a if accumulation_dtype(dtype) == dtype else jnp.asarray(a, accumulation_dtype(dtype))
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def narrow(tree: Any, like: Any) -> Any:
+    """``tree`` cast back, leaf by leaf, to the dtypes of ``like`` (what :func:`widen` widened)."""
+    return jax.tree_util.tree_map(
+        lambda a, l: a if jnp.result_type(a) == jnp.result_type(l) else a.astype(jnp.result_type(l)), tree, like
+    )
 
 
 def make_plan(size: int, chunk: int) -> ChunkPlan:

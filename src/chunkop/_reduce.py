@@ -14,9 +14,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._chunking import Remat, sum_chunks
+from ._chunking import Remat, accumulation_dtype, sum_chunks, widen
 from ._progress import Progress
-from ._vmap import LoopSpec, _accumulation_dtype, _chunk_vmap, _Chunked, _moved, _widen, _wrap
+from ._vmap import LoopSpec, _chunk_vmap, _Chunked, _moved, _wrap
 
 __all__ = ["sum", "mean"]
 
@@ -35,14 +35,14 @@ def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = Fals
     reduce = jnp.mean if divide else jnp.sum
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
     final = [_result_dtype(reduce, s.dtype) for s in out_leaves]
-    acc = [_accumulation_dtype(_result_dtype(jnp.sum, s.dtype)) for s in out_leaves]
+    acc = [accumulation_dtype(_result_dtype(jnp.sum, s.dtype)) for s in out_leaves]
     plan = spec.plan
 
     def loop(consts: list, mapped: list) -> Any:
-        wide, dtypes = _widen(consts)
+        wide = widen(consts)
 
         def chunk_fn(chunk: list, m: int) -> list:
-            outs = _chunk_vmap(jaxpr, spec, wide, dtypes, 0, m)(*chunk)
+            outs = _chunk_vmap(jaxpr, spec, wide, consts, 0, m)(*chunk)
             return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
 
         init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
@@ -76,7 +76,7 @@ class _Summed(_Chunked):
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
         totals = []
         for k, s in enumerate(out_leaves):
-            acc = _accumulation_dtype(_result_dtype(jnp.sum, s.dtype))
+            acc = accumulation_dtype(_result_dtype(jnp.sum, s.dtype))
             total = sum(jnp.sum(c[k], axis=0, dtype=acc) for c in chunk_outs)
             if self.reduce is jnp.mean:
                 total = total / n if jnp.issubdtype(total.dtype, jnp.inexact) else total / jnp.float32(n)

@@ -23,7 +23,7 @@ weights computed from the row data are recomputed, never stored for all rows):
 
 Precision: every sum over chunks (the transpose, and the reverse-mode sums of cotangents of
 ``x`` and ``consts`` over chunks) accumulates in at least float32 and returns the input dtype:
-unmapped operands enter the scan widened (:func:`_widen`) and are narrowed back inside the body,
+unmapped operands enter the scan widened (:func:`chunkop._chunking.widen`) and are narrowed back inside the body,
 so the scan's transpose accumulates their cotangents in the wide dtype.
 """
 
@@ -40,7 +40,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from ._cache import Uncacheable, callable_key, jaxpr_key
-from ._chunking import make_plan, stack_chunks, sum_chunks
+from ._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
 from ._progress import Progress
 
 __all__ = ["Spec", "make_spec", "apply", "apply_transpose"]
@@ -130,24 +130,8 @@ def _is_float(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _wide_dtype(dtype: Any) -> Any:
-    """The accumulation dtype: at least float32 for bfloat16/float16."""
-    dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
-        return jnp.dtype(jnp.float32)
-    return dtype
-
-
-def _widen(tree: Any) -> Any:
-    return _tu.tree_map(lambda a: jnp.asarray(a, _wide_dtype(jnp.result_type(a))), tree)
-
-
 def _dtype(a: Any) -> Any:
     return jnp.dtype(a.dtype) if hasattr(a, "dtype") else jnp.result_type(a)
-
-
-def _narrow(tree: Any, like: Any) -> Any:
-    return _tu.tree_map(lambda a, l: a.astype(_dtype(l)), tree, like)
 
 
 def _zeros(structure: Any) -> Any:
@@ -168,19 +152,19 @@ def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum
     """
     leaves, tree = _tu.tree_flatten(mapped)
     plan = make_plan(leaves[0].shape[0], spec.chunk_size)
-    wide = _widen(unmapped)
+    wide = widen(unmapped)
     out_tree: list = []
 
     def run(chunk: list, m: int) -> list:
-        out = per_chunk(_tu.tree_unflatten(tree, chunk), _narrow(wide, unmapped))
-        out_leaves, treedef = _tu.tree_flatten(out if sum_like is None else _widen(out))
+        out = per_chunk(_tu.tree_unflatten(tree, chunk), narrow(wide, unmapped))
+        out_leaves, treedef = _tu.tree_flatten(out if sum_like is None else widen(out))
         out_tree.append(treedef)
         return out_leaves
 
     if sum_like is not None:
-        init = _tu.tree_leaves(_widen(_zeros(sum_like)))
+        init = _tu.tree_leaves(widen(_zeros(sum_like)))
         acc = sum_chunks(run, leaves, plan, True, init, spec.progress)
-        return _narrow(_tu.tree_unflatten(_tu.tree_structure(sum_like), acc), sum_like)
+        return narrow(_tu.tree_unflatten(_tu.tree_structure(sum_like), acc), sum_like)
     full, rem, _ = stack_chunks(lambda chunk, m: (run(chunk, m), []), leaves, plan, True, progress=spec.progress)
     out = [f.reshape((plan.n_full * plan.chunk,) + f.shape[2:]) for f in full]  # (no -1: rows may be empty)
     if rem is not None:

@@ -21,7 +21,7 @@ from ._axes import (
     mapped_size,
 )
 from ._cache import Uncacheable, cached, callable_key
-from ._chunking import ChunkPlan, Remat, make_plan, stack_chunks
+from ._chunking import ChunkPlan, Remat, make_plan, narrow, stack_chunks, widen
 from ._progress import Progress, check_progress
 from ._trace import eval_traced, trace_example
 
@@ -42,30 +42,6 @@ def _wrap(fun: Callable, wrapper: Any) -> Any:
 # The compiled chunk loops. Built from the traced jaxpr and static settings only (never from the
 # wrapper, which holds the user's function), so a cached loop keeps no user function alive.
 
-_LOW_PRECISION = (jnp.bfloat16, jnp.float16)
-
-
-def _accumulation_dtype(dtype: Any) -> Any:
-    """float32 for bfloat16/float16, else the dtype itself: what chunk sums accumulate in."""
-    return jnp.float32 if any(dtype == d for d in _LOW_PRECISION) else dtype
-
-
-def _widen(consts: list) -> tuple[list, list]:
-    """Low-precision float constants as float32, with their dtypes.
-
-    The constants enter the scan unmapped, so under reverse mode their cotangents are summed
-    over chunks in the scan's carry: widened, that sum runs in float32 (each chunk narrows its
-    copy back, exactly: bf16 -> f32 -> bf16 is lossless).
-    """
-    dtypes = [jnp.result_type(c) for c in consts]
-    return [
-        jnp.asarray(c, _accumulation_dtype(d)) if _accumulation_dtype(d) != d else c for c, d in zip(consts, dtypes)
-    ], dtypes
-
-
-def _narrow(consts: list, dtypes: list) -> list:
-    return [c if jnp.result_type(c) == d else c.astype(d) for c, d in zip(consts, dtypes)]
-
 
 def _setting_key(value: Any) -> Hashable:
     """A cache key for ``remat``/``progress``: by value for True/False/None, else the callable's key."""
@@ -83,11 +59,12 @@ class LoopSpec(NamedTuple):
     progress: Progress = None
 
 
-def _chunk_vmap(jaxpr: Any, spec: LoopSpec, consts: list, dtypes: list, out_axes: Any, m: int) -> Callable:
-    """One chunk of ``m`` examples: ``jax.vmap`` of the traced jaxpr (constants unmapped)."""
+def _chunk_vmap(jaxpr: Any, spec: LoopSpec, wide: list, consts: list, out_axes: Any, m: int) -> Callable:
+    """One chunk of ``m`` examples: ``jax.vmap`` of the traced jaxpr (constants unmapped, given
+    widened as ``wide`` and narrowed back to the dtypes of ``consts``)."""
 
     def one(*example: Any) -> tuple:
-        return tuple(eval_traced(jaxpr, _narrow(consts, dtypes), *example))
+        return tuple(eval_traced(jaxpr, narrow(wide, consts), *example))
 
     return jax.vmap(one, in_axes=0, out_axes=out_axes, axis_size=m, spmd_axis_name=spec.spmd_axis_name)
 
@@ -105,10 +82,10 @@ def stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, l
     plan = spec.plan
 
     def loop(consts: list, mapped: list) -> Any:
-        wide, dtypes = _widen(consts)
+        wide = widen(consts)
 
         def chunk_fn(chunk: list, m: int) -> tuple[list, list]:
-            outs = _chunk_vmap(jaxpr, spec, wide, dtypes, tuple(oaxes), m)(*chunk)
+            outs = _chunk_vmap(jaxpr, spec, wide, consts, tuple(oaxes), m)(*chunk)
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
         ys_full, ys_rem, zs = stack_chunks(
