@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from chunkop._chunking import make_plan
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
 import los
 import reconstruct
@@ -35,9 +37,9 @@ def test_weights_match_users_formula_in_float64(tiny):
 
 
 def test_operator_matches_unchunked_vmap(tiny):
-    # a chunk size that does not divide n_los: the remainder chunk is exercised too
-    A = tiny.operator(chunk_size=700)
-    assert A.n_rows % 700 != 0
+    # a chunk size that leaves a remainder of n_los (6000 = 2 x 2700 + 600): the remainder chunk is exercised too
+    A = tiny.operator(chunk_size=2700)
+    assert make_plan(A.n_rows, 2700).rem != 0
     x = tiny.truth()
     y = jax.random.normal(jax.random.key(1), (tiny.n_los,), jnp.float32)
     scale = float(jnp.max(jnp.abs(A.mv(x))))

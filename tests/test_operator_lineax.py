@@ -23,7 +23,7 @@ from operator_registry import los_weights as registry_los_weights
 import chunkop
 
 NPIX, K, N = 5, 3, 60
-CHUNK = 16  # 3 full chunks and a remainder of 12
+CHUNK = 9  # 6 full chunks and a remainder of 6
 STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
 
 

@@ -146,9 +146,9 @@ def test_matches_jax_vmap(case, chunk_size):
     check(fun, args, kwargs, chunk_size=chunk_size, **vmap_kw)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 5, 7])
+@pytest.mark.parametrize("chunk_size", [1, 2, 6, 7])
 def test_more_chunk_sizes(chunk_size):
-    """Chunk sizes 1 (every element its own chunk), and more remainders (8 % 5, 8 % 7)."""
+    """Chunk sizes 1 (every element its own chunk), and more remainders (8 % 6, 8 % 7)."""
     fun, args, _, vmap_kw = CASES["dict_prefix_with_none"]
     check(fun, args, chunk_size=chunk_size, **vmap_kw)
     fun, args, _, vmap_kw = CASES["out_axes_tree"]
@@ -172,7 +172,7 @@ def test_chunking_engages_only_below_n(chunk_size):
 def test_identity_map_is_exact_with_remainder():
     """No row is dropped, duplicated or re-read: the identity map returns its input bit for bit."""
     x = np.arange(N * 5 * 2, dtype=np.float32).reshape(2, N, 5)
-    for cs in [1, 3, 5, 7]:
+    for cs in [1, 3, 6, 7]:  # remainders of 2, 2, 1
         np.testing.assert_array_equal(chunkop.vmap(lambda r: r, in_axes=1, out_axes=1, chunk_size=cs)(x), x)
         np.testing.assert_array_equal(
             chunkop.vmap(lambda r: r, in_axes=1, out_axes=0, chunk_size=cs)(x), np.moveaxis(x, 1, 0)
