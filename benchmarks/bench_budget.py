@@ -123,16 +123,7 @@ def los_problem(n: int, npix: int = 4096, k: int = 16):
 
     def operator_temp(chunk):
         # the planner's measure: worst of mv, T.mv and their VJPs at this chunk
-        from chunkop import _rows
-
-        spec = _rows.Spec(row_fn, chunk, (xs,), jax.tree_util.tree_structure(xs))
-        leaves, tree = jax.tree_util.tree_flatten(rows)
-        mv = lambda *f: _rows.apply(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])
-        tmv = lambda *f: _rows.apply_transpose(spec, jax.tree_util.tree_unflatten(tree, f[:-1]), f[-1])
-        return max(
-            _budget.program_temp_bytes(mv, leaves + [x], "grad"),
-            _budget.program_temp_bytes(tmv, leaves + [b], "grad"),
-        )
+        return _budget.rows_temp_bytes(row_fn, rows, xs, chunk)
 
     return rows, row_fn, xs, (x, v), hvp_of, operator_temp
 

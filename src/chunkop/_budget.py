@@ -174,7 +174,11 @@ def throughput_cap(device: Any = None) -> int | None:
 
 
 def default_budget(device: Any = None) -> int:
-    """The default memory budget: ``DEFAULT_FRACTION`` (0.5) of :func:`free_memory`.
+    """The default memory budget: ``DEFAULT_FRACTION`` (0.5) of :func:`free_memory`, rounded down
+    to three significant binary digits (e.g. 11.5 GB -> 10 GiB).
+
+    The rounding keeps the budget, and so the plans cached under it, the same from call to call
+    while the free memory drifts by a few pages.
 
     Args:
         device: a ``jax.Device``; None for the first local device.
@@ -187,7 +191,9 @@ def default_budget(device: Any = None) -> int:
         >>> 0 < default_budget() <= free_memory()
         True
     """
-    return max(1, int(DEFAULT_FRACTION * free_memory(device)))
+    budget = max(1, int(DEFAULT_FRACTION * free_memory(device)))
+    unit = 1 << max(0, budget.bit_length() - 3)
+    return budget - budget % unit
 
 
 def choose_chunk(
@@ -587,12 +593,42 @@ def call_auto(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: An
 # chunk_size="auto" on RowOperator, and chunkop.plan.
 
 
+def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) -> int:
+    """The compiled temp memory a ``RowOperator`` needs at ``chunk`` rows per chunk (the planner's measure).
+
+    The worst of ``mv`` and ``T.mv`` and their VJPs (w.r.t. ``x``/``y``, the float leaves of
+    ``rows`` and the arrays ``row_fn`` closes over). ``rows`` may be ``ShapeDtypeStruct``s.
+    """
+    from . import _rows
+
+    row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
+    row_structs = [_struct(x) for x in row_leaves]
+    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
+    spec, consts = _rows.make_spec(row_fn, jax.tree_util.tree_unflatten(row_tree, row_structs), in_structure, chunk)
+    k, r = len(consts), len(row_structs)
+
+    def mv(*flat: Any) -> Any:
+        rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+        return _rows.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
+
+    y_leaves, y_tree = jax.tree_util.tree_flatten(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
+
+    def tmv(*flat: Any) -> Any:
+        rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+        return _rows.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
+
+    return max(
+        program_temp_bytes(mv, [*consts, *row_structs, *x_leaves], "grad"),
+        program_temp_bytes(tmv, [*consts, *row_structs, *y_leaves], "grad"),
+    )
+
+
 def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int | None) -> BudgetPlan:
     """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
 
-    Plans for the worst of ``mv`` and ``T.mv`` and their VJPs (w.r.t. ``x``/``y``, the float
-    leaves of ``rows`` and the arrays ``row_fn`` closes over), compiled at each candidate chunk.
-    With rows sharded over devices, the chunk is planned for one device's shard.
+    Plans for :func:`rows_temp_bytes` (the worst of ``mv``, ``T.mv`` and their VJPs), compiled
+    at each candidate chunk. With rows sharded over devices, the chunk is planned for one
+    device's shard.
     """
     from . import _rows, _sharding
 
@@ -605,28 +641,18 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
         n //= mesh_axes.n_shards
     row_structs = [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
     local_rows = jax.tree_util.tree_unflatten(row_tree, row_structs)
-    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
+    cap = throughput_cap()
 
-    def temp_bytes(chunk: int) -> int:
-        spec, consts = _rows.make_spec(row_fn, local_rows, in_structure, chunk)
-        k, r = len(consts), len(row_structs)
+    def compute() -> BudgetPlan:
+        temp = lambda chunk: rows_temp_bytes(row_fn, local_rows, in_structure, chunk)
+        return choose_chunk(temp, n, budget, mode="grad", cap=cap)
 
-        def mv(*flat: Any) -> Any:
-            rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
-            return _rows.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
-
-        y_leaves, y_tree = jax.tree_util.tree_flatten(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
-
-        def tmv(*flat: Any) -> Any:
-            rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
-            return _rows.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
-
-        return max(
-            program_temp_bytes(mv, [*consts, *row_structs, *x_leaves], "grad"),
-            program_temp_bytes(tmv, [*consts, *row_structs, *y_leaves], "grad"),
-        )
-
-    return choose_chunk(temp_bytes, n, budget, mode="grad", cap=throughput_cap())
+    # the same row_fn (by its traced jaxpr), row and x shapes, budget and device kind: the same plan
+    spec, _ = _rows.make_spec(row_fn, local_rows, in_structure, 1)
+    if spec.key is None:
+        return compute()
+    shapes = tuple((s.shape, str(s.dtype)) for s in row_structs)
+    return cached_plan(("rows", spec.key, shapes, budget, cap, jax.default_backend()), compute)
 
 
 def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:

@@ -210,7 +210,7 @@ class RowOperator(AbstractRowOperator):
         rows: Any,
         in_structure: Any,
         *,
-        chunk_size: int | str,
+        chunk_size: int | str = "auto",
         tags: object | Iterable[object] = (),
         progress: Progress = None,
         memory_budget: int | None = None,
@@ -226,9 +226,12 @@ class RowOperator(AbstractRowOperator):
                 operators with :func:`chunkop.check_linear`.)
             rows: pytree of arrays with a shared leading axis ``n_rows`` (per-row data).
             in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
-            chunk_size: number of rows computed at once (a positive int), or ``"auto"``: the
-                largest chunk whose compiled temp memory (``mv``, ``T.mv`` and their VJPs)
-                fits ``memory_budget`` (see :func:`chunkop.plan`).
+            chunk_size: number of rows computed at once (a positive int), or ``"auto"`` (the
+                default): the largest chunk whose compiled temp memory (``mv``, ``T.mv`` and
+                their VJPs) fits ``memory_budget`` (see :func:`chunkop.plan`). Planning
+                compiles these programs at a few chunk sizes when the operator is built (about
+                1-3 s on a CPU, once per shape signature: the plan is cached); pass an int to
+                skip it.
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
             progress: as in :func:`chunkop.vmap`: every kernel (``mv``, ``T.mv``, their
                 derivatives) reports its chunks from inside the compiled loop.

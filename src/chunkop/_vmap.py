@@ -391,7 +391,7 @@ def map(  # noqa: A001
     f: Callable,
     xs: Any,
     *,
-    chunk_size: int | str,
+    chunk_size: int | str = "auto",
     remat: Remat = True,
     progress: Progress = None,
     memory_budget: int | None = None,
@@ -407,7 +407,8 @@ def map(  # noqa: A001
         f: function of one slice of ``xs``.
         xs: pytree of arrays sharing a leading axis.
         chunk_size: the number of slices vectorised at once (a positive int), or ``"auto"``
-            (as in :func:`chunkop.vmap`).
+            (the default; as in :func:`chunkop.vmap`: planned from ``memory_budget``, by
+            compiling the chunk loop at a few sizes, once per signature).
         remat: as in :func:`chunkop.vmap`.
         progress: as in :func:`chunkop.vmap`.
         memory_budget: as in :func:`chunkop.vmap`.
