@@ -2,13 +2,17 @@
 
 The example's operator must agree with the unchunked ``jax.vmap`` formulation (values,
 transpose and derivatives w.r.t. the sky and the row data), its weights with the users' formula
-evaluated in float64, and the reconstruction must beat the baseline (the prior mean).
+evaluated in float64, and the reconstruction must beat the baseline (the prior mean), with the
+same result when the operator's rows are sharded over two (CPU) devices (``--devices 2``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +25,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "as
 import los
 import reconstruct
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "astro_los"
+
 
 @pytest.fixture(scope="module")
 def tiny():
     return los.make_problem("tiny")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> dict:
+    """The whole example at --size tiny on this process's single device (no figures)."""
+    out = tmp_path_factory.mktemp("tiny_run")
+    res = reconstruct.run("tiny", out=str(out), figures=False, fit_s=True)
+    assert (out / "results.json").exists()
+    return res
 
 
 def test_weights_match_users_formula_in_float64(tiny):
@@ -103,8 +118,9 @@ def test_prior_operator_is_symmetric(tiny):
     np.testing.assert_allclose([Re[5, 0], Re[17, 3]], [diag[5, 0], diag[17, 3]], rtol=1e-5)
 
 
-def test_tiny_reconstruction_beats_baseline(tmp_path):
-    res = reconstruct.run("tiny", out=str(tmp_path), figures=False, fit_s=True)
+def test_tiny_reconstruction_beats_baseline(tiny_run):
+    res = tiny_run
+    assert res["devices"] == 1 and res["mesh"] is None and res["rows_sharding"] is None
     m = res["metrics"]
     assert m["finite"]
     assert max(res["check_linear"].values()) < 1e-4
@@ -118,7 +134,45 @@ def test_tiny_reconstruction_beats_baseline(tmp_path):
     for k in ("matvec", "transpose", "grad_sky", "hvp_sky", "cg_solve"):
         assert res["memory"][k]["temp_bytes"] >= 0
     assert res["peak_rss_bytes"] > 0
-    assert (tmp_path / "results.json").exists()
+
+
+def test_tiny_reconstruction_sharded_over_two_devices(tiny_run, tmp_path):
+    # the script as users run it: --devices 2 makes two CPU devices (XLA_FLAGS, set by the script
+    # before jax starts), shards the rows over them and must reproduce the single-device run
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    cmd = [sys.executable, str(EXAMPLE / "reconstruct.py"), "--size", "tiny", "--devices", "2", "--no-figures"]
+    proc = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "2 device(s), mesh {'rows': 2}" in proc.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+
+    # the rows really were sharded: two devices, 3000 of the 6000 lines each, and the operator
+    # ran its sharded kernels (A x sharded by rows, A^T y one all-reduce)
+    assert res["devices"] == 2 and res["backend"] == "cpu"
+    assert res["mesh"]["shape"] == {"rows": 2} and len(res["mesh"]["devices"]) == 2
+    assert set(res["rows_sharding"]) == {"pix", "d", "s"}
+    for leaf in res["rows_sharding"].values():
+        assert "'rows'" in leaf["spec"] and leaf["n_devices"] == 2 and leaf["shard_rows"] == [3000]
+    assert res["operator_mesh_axes"] == ["rows"]
+    assert "'rows'" in res["matvec_out_spec"]
+    assert res["collectives"] == {"matvec": {}, "transpose": {"all-reduce": 1}}
+
+    # the same result up to float reduction order
+    ref = tiny_run
+    assert max(res["check_linear"].values()) < 1e-4
+    for key, value in ref["metrics"].items():
+        if key == "finite":
+            assert res["metrics"][key] is True
+        else:
+            np.testing.assert_allclose(res["metrics"][key], value, rtol=1e-4, err_msg=key)
+    np.testing.assert_allclose(res["chi2_per_line_truth"], ref["chi2_per_line_truth"], rtol=1e-4)
+    np.testing.assert_allclose(res["s_fit"]["alpha"], ref["s_fit"]["alpha"], rtol=1e-4)
+    assert abs(res["cg"]["iterations"] - ref["cg"]["iterations"]) <= 2
+    # one residual reported per CG step, not one per device
+    assert len(res["cg"]["residual_norms"]) - res["cg"]["iterations"] == (
+        len(ref["cg"]["residual_norms"]) - ref["cg"]["iterations"]
+    )
 
 
 @pytest.mark.slow

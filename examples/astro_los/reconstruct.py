@@ -1,7 +1,7 @@
 """Reconstruct a 3-D sky from line-of-sight integrals with a chunked implicit operator.
 
     python examples/astro_los/reconstruct.py [--size tiny|default|seed] [--out DIR] [--chunk C] [--iters N]
-                                             [--no-fit-s] [--no-figures]
+                                             [--no-fit-s] [--no-figures] [--devices N]
 
 The forward model is the astrophysics users' LOS operator (``los.py``): sky ``(n_pix, n_bins)``,
 ``y_l = sum_k w_k(d_l, s_l) sky[pix_l, k]`` with ``w = -diff(exp(-(d - b) / (d s b)))``, built as
@@ -25,28 +25,83 @@ a ``chunkop.RowOperator`` (weights recomputed chunk by chunk, never stored). Ste
 lines): matvec, transpose, the gradient w.r.t. the sky and w.r.t. ``alpha``, one
 Hessian-vector product and ``--iters`` (default 5) CG iterations, keeping few sky-sized
 arrays alive (11 GiB peak RSS measured; see README.md).
+
+``--devices N`` runs the same job with the operator's rows (``pix``, ``d``, ``s``) sharded along
+their leading axis over a mesh ``jax.make_mesh((N,), ("rows",))`` of the first ``N`` of
+``jax.devices()``: every device computes its own lines of sight (``A x`` comes back sharded by
+rows; ``A^T y`` is one all-reduce of the devices' partial skies), and the rest (CG, the s-scale
+fit, the reports) runs unchanged on the replicated sky. The number of lines must be a multiple
+of ``N``. On a CPU-only machine the script makes ``N`` host devices: when run as a script (not
+when imported) it appends ``--xla_force_host_platform_device_count=N`` to ``XLA_FLAGS`` before
+``jax`` is imported, unless ``XLA_FLAGS`` already sets a host device count or ``JAX_PLATFORMS``
+names only accelerator platforms. The flag only concerns the host (CPU) platform, so on a
+machine with several GPUs it changes nothing there: ``jax.devices()`` lists the GPUs and the
+first ``N`` are used.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import lineax as lx
-import numpy as np
+HOST_DEVICE_FLAG = "--xla_force_host_platform_device_count"
+
+
+def devices_from_argv(argv: Sequence[str]) -> int | None:
+    """The value of ``--devices N`` / ``--devices=N`` in ``argv``, or None (absent or not an integer).
+
+    Read before ``jax`` is imported (argparse validates it again, with its usual messages).
+    """
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == "--devices" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith("--devices="):
+            value = arg.split("=", 1)[1]
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def request_host_devices(n: int) -> bool:
+    """Ask XLA for ``n`` host (CPU) devices: append the flag to ``XLA_FLAGS``. Must run before ``jax``
+    is imported; returns whether it changed ``XLA_FLAGS``.
+
+    Left alone when ``XLA_FLAGS`` already sets a host device count (the user's choice wins) or
+    ``JAX_PLATFORMS`` lists only non-CPU platforms (e.g. ``cuda``). The flag only concerns the host
+    platform: on a GPU machine the GPUs remain ``jax.devices()``.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    platforms = [p.strip() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if n < 1 or HOST_DEVICE_FLAG in flags or (platforms and "cpu" not in platforms):
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICE_FLAG}={n}".strip()
+    return True
+
+
+if __name__ == "__main__" and (_n_devices := devices_from_argv(sys.argv[1:])) is not None:
+    request_host_devices(_n_devices)  # JAX reads XLA_FLAGS once, when its backends start
+
+import jax  # noqa: E402  (after XLA_FLAGS is set, see above)
+import jax.numpy as jnp  # noqa: E402
+import lineax as lx  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as PSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import los
+import los  # noqa: E402
 
-import chunkop
+import chunkop  # noqa: E402
 
 GiB, MiB = 2**30, 2**20
 T0 = time.perf_counter()
@@ -241,6 +296,16 @@ def fit_s_scale(A, sky, P: los.Problem, alpha0: float = 2.0, steps: int = 6, ste
 
 # -- measurement helpers ------------------------------------------------------------------------
 
+_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+
+
+def collective_counts(compiled: Any) -> dict:
+    """How many collectives of each kind the compiled (optimised) HLO program runs."""
+    counts: dict = {}
+    for m in _COLLECTIVE.finditer(compiled.as_text()):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
 
 def compiled_memory(fn: Callable, *args) -> tuple[Any, dict]:
     """Compile ``jax.jit(fn)`` for ``args``; return the executable and its memory analysis."""
@@ -289,6 +354,72 @@ def sky_from_z(mu: jax.Array, z: jax.Array) -> jax.Array:
     return mu * (1.0 + z)
 
 
+# -- several devices ---------------------------------------------------------------------------
+
+
+def device_mesh(n: int) -> jax.sharding.Mesh:
+    """The 1-D mesh ``jax.make_mesh((n,), ("rows",))`` over the first ``n`` of ``jax.devices()``.
+
+    Raises:
+        ValueError: when ``n < 1`` or JAX has fewer than ``n`` devices.
+    """
+    if n < 1:
+        raise ValueError(f"--devices must be at least 1, got {n}")
+    devices = jax.devices()
+    if len(devices) < n:
+        hint = ""
+        if jax.default_backend() == "cpu":
+            hint = (
+                f"; on a CPU the host device count must be set before jax is imported: run this file as a "
+                f"script, or set XLA_FLAGS={HOST_DEVICE_FLAG}={n} (XLA_FLAGS is now "
+                f"{os.environ.get('XLA_FLAGS', '')!r})"
+            )
+        raise ValueError(f"--devices {n}: JAX has only {len(devices)} {jax.default_backend()} device(s){hint}")
+    return jax.make_mesh((n,), ("rows",), devices=devices[:n])
+
+
+def sharded_operator(P: los.Problem, mesh: jax.sharding.Mesh) -> chunkop.RowOperator:
+    """``P``'s LOS operator built from rows (``pix``, ``d``, ``s``) sharded along their leading axis
+    over the mesh axis ``"rows"``: each device holds and computes ``n_los / n`` lines.
+
+    Raises:
+        ValueError: when the number of lines is not a multiple of the number of devices.
+    """
+    n = int(mesh.shape["rows"])
+    if P.n_los % n:
+        divisors = [k for k in range(1, min(P.n_los, 64) + 1) if P.n_los % k == 0]
+        raise ValueError(
+            f"--devices {n}: the {P.n_los} lines of sight (--size {P.size}) cannot be split evenly over {n} "
+            f"devices (the rows are sharded in equal blocks); use --devices in {divisors}"
+        )
+    rows = jax.device_put({"pix": P.pix, "d": P.d, "s": P.s}, NamedSharding(mesh, PSpec("rows")))
+    return los.make_los_operator(rows["pix"], rows["d"], rows["s"], n_pix=P.n_pix, edges=P.edges, chunk_size=P.chunk)
+
+
+def describe_sharding(A: chunkop.RowOperator, mesh: jax.sharding.Mesh | None) -> dict:
+    """How the operator's rows are laid out: mesh, each row leaf's ``PartitionSpec`` and the number
+    of devices holding a shard of it, and the rows per device."""
+    if mesh is None:
+        return {"mesh": None, "rows_sharding": None}
+    mesh_axes = getattr(A, "mesh_axes", None)  # what the operator found when it was built
+    return {
+        "mesh": {
+            "shape": {k: int(v) for k, v in mesh.shape.items()},
+            "axis_types": [str(t) for t in mesh.axis_types],
+            "devices": [str(d) for d in mesh.devices.flat],
+        },
+        "rows_sharding": {
+            k: {
+                "spec": str(v.sharding.spec),
+                "n_devices": len(v.sharding.device_set),
+                "shard_rows": sorted({int(sh.data.shape[0]) for sh in v.addressable_shards}),
+            }
+            for k, v in A.rows.items()
+        },
+        "operator_mesh_axes": list(mesh_axes.names) if mesh_axes is not None else None,
+    }
+
+
 # -- the main job -------------------------------------------------------------------------------
 
 
@@ -301,11 +432,39 @@ def run(
     figures: bool = True,
     rtol: float = 1e-5,
     progress: bool = False,
+    devices: int | None = None,
 ) -> dict:
-    """Run the example; returns the results dict (also written to ``out/results.json``)."""
-    res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend()}
+    """Run the example; returns the results dict (also written to ``out/results.json``).
+
+    ``devices``: shard the operator's rows over the first ``devices`` of ``jax.devices()`` (see
+    :func:`device_mesh`, :func:`sharded_operator`); the whole job then runs under
+    ``jax.set_mesh`` of that mesh. None: everything on the default device, no mesh.
+    """
+    mesh = device_mesh(devices) if devices is not None else None
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        return _run(size, out, chunk, iters, fit_s, figures, rtol, progress, mesh)
+
+
+def _run(
+    size: str,
+    out: str | None,
+    chunk: int | None,
+    iters: int | None,
+    fit_s: bool,
+    figures: bool,
+    rtol: float,
+    progress: bool,
+    mesh: jax.sharding.Mesh | None,
+) -> dict:
+    """The body of :func:`run` (inside the mesh context when ``mesh`` is given)."""
+    devices = int(mesh.size) if mesh is not None else 1
+    res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend(), "devices": devices}
     timings, memory = {}, {}
     log(f"chunkop LOS example, size={size!r} (jax {jax.__version__}, {jax.default_backend()})")
+    if mesh is not None:
+        log(f"{devices} device(s), mesh {dict(mesh.shape)} over {[str(d) for d in mesh.devices.flat]}")
+    else:
+        log("1 device (no mesh; --devices N shards the operator's rows over N devices)")
     t = time.perf_counter()
     P = los.make_problem(size, chunk=chunk, progress=progress or None)
     iters = P.iters if iters is None else iters
@@ -328,7 +487,14 @@ def run(
         "sky_bytes": sky_bytes,
         "n_los_x_n_bins_bytes": P.n_los * P.n_bins * 4,
     }
-    A = P.operator()
+    A = P.operator() if mesh is None else sharded_operator(P, mesh)
+    res.update(describe_sharding(A, mesh))
+    if mesh is not None:
+        log(
+            f"operator rows sharded over mesh axes {res['operator_mesh_axes']}: "
+            + ", ".join(f"{k} {v['spec']} on {v['n_devices']} devices" for k, v in res["rows_sharding"].items())
+            + f" ({P.n_los // devices} lines per device)"
+        )
     sc = prior_scales(P)
     res["prior"] = {k: float(v) for k, v in sc.items()}
     seed = size == "seed"
@@ -346,6 +512,10 @@ def run(
     g, timings["transpose_s"] = timed(rmv, A, P.y, repeats=1 if seed else 3)
     del g
     log(f"transpose A^T y: {timings['transpose_s']:.3f}s, temp {fmt_bytes(memory['transpose']['temp_bytes'])}")
+    if mesh is not None:  # A x stays sharded by rows; A^T y ends in one all-reduce
+        res["matvec_out_spec"] = str(y_model.sharding.spec)
+        res["collectives"] = {"matvec": collective_counts(mv), "transpose": collective_counts(rmv)}
+        log(f"A x comes back sharded as {res['matvec_out_spec']}; compiled collectives: {res['collectives']}")
 
     def loss_sky(sky, A, y, sigma):
         return 0.5 * jnp.sum(((A.mv(sky) - y) / sigma) ** 2)
@@ -592,11 +762,26 @@ def main(argv=None) -> dict:
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale fit")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        metavar="N",
+        help="shard the operator's rows (lines of sight) over the first N of jax.devices(), mesh axis 'rows'; "
+        f"on a CPU, N host devices are made ({HOST_DEVICE_FLAG}=N is appended to XLA_FLAGS before jax "
+        "starts). The number of lines must be a multiple of N (default: one device, no mesh)",
+    )
+    p.add_argument(
         "--progress",
         action="store_true",
         help="show a progress bar of chunks for every operator kernel call (useful at --size seed)",
     )
     a = p.parse_args(argv)
+    if a.devices is not None:
+        n_los = los.SIZES[a.size].n_los
+        if a.devices < 1:
+            p.error(f"--devices must be at least 1, got {a.devices}")
+        if n_los % a.devices:
+            p.error(f"--devices {a.devices} does not divide the {n_los} lines of sight of --size {a.size}")
     return run(
         a.size,
         a.out,
@@ -606,6 +791,7 @@ def main(argv=None) -> dict:
         figures=not a.no_figures,
         rtol=a.rtol,
         progress=a.progress,
+        devices=a.devices,
     )
 
 
