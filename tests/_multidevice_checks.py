@@ -235,6 +235,28 @@ def sum_mean_values_grad_one_allreduce():
                     assert collectives(s, w, x) == ["all-reduce"], (c, collectives(s, w, x))
 
 
+@check
+def sum_spmd_axis_name_auto_under_jit():
+    # Under jit on an Auto mesh the traced input carries no sharding; spmd_axis_name names it:
+    # each device sums its own shard (chunked), then one all-reduce, and no all-gather.
+    mesh = mesh_of("auto")
+    w, xs = data(2)
+    loss = lambda w, x: (f(w, x) ** 2).sum()
+    ref = jax.vmap(loss, (None, 0))(w, xs)
+    gref = jax.grad(lambda w: jax.vmap(loss, (None, 0))(w, xs).sum())(w)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+        for c in (None, 5):
+            s = chunkop.sum(loss, (None, 0), chunk_size=c, spmd_axis_name="d")
+            m = chunkop.mean(loss, (None, 0), chunk_size=c, spmd_axis_name="d")
+            close(jax.jit(s)(w, x), ref.sum(), rtol=1e-5)
+            close(jax.jit(m)(w, x), ref.mean(), rtol=1e-5)
+            close(jax.jit(jax.grad(s))(w, x), gref, rtol=1e-4)
+            if c is not None:
+                assert collectives(jax.jit(s), w, x) == ["all-reduce"], (c, collectives(jax.jit(s), w, x))
+                assert [h for _, h in scan_lengths(jax.jit(s), w, x)] == [True]
+
+
 # -- RowOperator with sharded rows -------------------------------------------------------------
 
 NPIX = 50
@@ -303,6 +325,14 @@ def _operator_checks(kind):
 
         sol = jax.jit(solve)(A, b)
         close(M @ np.asarray(sol), M @ x, rtol=1e-3, atol=1e-3)
+
+    # outside the mesh context: the operator built from sharded rows still works, eagerly and
+    # under jit (replicated inputs are resharded with the rows' own mesh)
+    close(A.mv(x), M @ x)
+    close(A.T.mv(y), M.T @ y, rtol=1e-5, atol=1e-5)
+    close(jax.jit(lambda A, y: A.T.mv(y))(A, y), M.T @ y, rtol=1e-5, atol=1e-5)
+    errors = chunkop.check_linear(A)
+    assert max(errors.values()) < 1e-4, errors
 
 
 @check

@@ -141,11 +141,14 @@ def test_invalid_chunk_size(chunk, exc, pattern):
     assert "RowOperator" in str(info.value) and "chunk_size" in str(info.value)
 
 
-def test_chunk_size_is_keyword_only_and_required():
+def test_chunk_size_is_keyword_only_and_auto_by_default():
     with pytest.raises(TypeError):
         chunkop.RowOperator(los_row, ROWS, STRUCT, 3)
-    with pytest.raises(TypeError):
-        chunkop.RowOperator(los_row, ROWS, STRUCT)
+    A = chunkop.RowOperator(los_row, ROWS, STRUCT)
+    assert A.budget_plan is not None and chunkop.plan(A) is A.budget_plan
+    B = chunkop.RowOperator(los_row, ROWS, STRUCT, chunk_size=3)
+    x = jnp.linspace(0.5, 1.5, NPIX * K).reshape(NPIX, K)
+    np.testing.assert_allclose(A.mv(x), B.mv(x), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_row_fn_and_in_structure():

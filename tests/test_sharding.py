@@ -28,6 +28,7 @@ NAMES = [
     "vmap_axis_name_collective_on_shards_refused",
     "map_sharded",
     "sum_mean_values_grad_one_allreduce",
+    "sum_spmd_axis_name_auto_under_jit",
     "operator_sharded_rows_explicit",
     "operator_sharded_rows_auto",
 ]

@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._chunking import make_plan
+
 __all__ = [
     "DEFAULT_FRACTION",
     "MODES",
@@ -229,13 +231,18 @@ def choose_chunk(
     probes: list[tuple[int, int]] = []
     measured: dict[int, int] = {}
 
+    def effective(c: int) -> int:
+        """The chunk the loop really runs when asked for ``c`` (make_plan may even out the chunks)."""
+        return c if c >= n else make_plan(n, c).chunk
+
     def measure(c: int) -> int:
         if c not in measured:
-            measured[c] = int(temp_bytes(c))
-            probes.append((c, measured[c]))
+            measured[c] = int(temp_bytes(effective(c)))
+            probes.append((effective(c), measured[c]))
         return measured[c]
 
     def plan(c: int | None, predicted: int | None, compiled: int) -> BudgetPlan:
+        c = None if c is None else effective(c)
         return BudgetPlan(c, n, int(user_budget), mode, predicted, compiled, tuple(probes), cap)
 
     user_budget, budget = budget, budget if cap is None else min(budget, cap)

@@ -92,7 +92,15 @@ class _Averaged(_Summed):
 
 
 def _make(
-    cls: type, fun: Callable, in_axes: Any, chunk_size: int | None, axis_size, remat, progress=None, memory_budget=None
+    cls: type,
+    fun: Callable,
+    in_axes: Any,
+    chunk_size: int | None,
+    axis_size: int | None,
+    remat: Remat,
+    progress: Progress = None,
+    memory_budget: int | None = None,
+    spmd_axis_name: Any = None,
 ) -> Callable:
     return _wrap(
         fun,
@@ -102,7 +110,7 @@ def _make(
             chunk_size=chunk_size,
             axis_name=None,
             axis_size=axis_size,
-            spmd_axis_name=None,
+            spmd_axis_name=spmd_axis_name,
             remat=remat,
             progress=progress,
             memory_budget=memory_budget,
@@ -119,6 +127,7 @@ def sum(  # noqa: A001
     remat: Remat = True,
     progress: Progress = None,
     memory_budget: int | None = None,
+    spmd_axis_name: Any = None,
 ) -> Callable:
     """``lambda *a: jax.vmap(fun, in_axes)(*a)`` summed over the mapped axis, chunk by chunk.
 
@@ -137,6 +146,8 @@ def sum(  # noqa: A001
         remat: as in :func:`chunkop.vmap`.
         progress: as in :func:`chunkop.vmap`.
         memory_budget: as in :func:`chunkop.vmap`.
+        spmd_axis_name: as in :func:`chunkop.vmap` (the mesh axes the mapped axis is sharded
+            over; needed under ``jax.jit`` on an Auto mesh, see docs/scaling.md).
 
     Returns:
         A function returning the pytree of sums (each leaf with ``fun``'s per-element shape).
@@ -147,7 +158,7 @@ def sum(  # noqa: A001
         >>> jax.grad(loss)(jnp.ones(3), jnp.ones((10, 3)))
         Array([60., 60., 60.], dtype=float32)
     """
-    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget)
+    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget, spmd_axis_name)
 
 
 def mean(
@@ -159,6 +170,7 @@ def mean(
     remat: Remat = True,
     progress: Progress = None,
     memory_budget: int | None = None,
+    spmd_axis_name: Any = None,
 ) -> Callable:
     """Like :func:`chunkop.sum`, divided by the size of the mapped axis.
 
@@ -171,6 +183,7 @@ def mean(
         remat: as in :func:`chunkop.vmap`.
         progress: as in :func:`chunkop.vmap`.
         memory_budget: as in :func:`chunkop.vmap`.
+        spmd_axis_name: as in :func:`chunkop.sum`.
 
     Returns:
         A function returning the pytree of means.
@@ -180,4 +193,4 @@ def mean(
         >>> chunkop.mean(jnp.sin, chunk_size=4)(jnp.zeros(10))
         Array(0., dtype=float32)
     """
-    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget)
+    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget, spmd_axis_name)

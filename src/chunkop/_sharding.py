@@ -342,7 +342,9 @@ def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
         pad = lambda t: t + (None,) * (max(len(have), len(want)) - len(t))
         if pad(have) == pad(want):
             return x
-        return jax.sharding.reshard(x, spec)
+        # the mesh is named (concrete, or abstract under jit), so that this works outside a
+        # `jax.set_mesh` context too
+        return jax.sharding.reshard(x, NamedSharding(mesh_axes.mesh, spec))
 
     return jax.tree_util.tree_map(fix, tree, specs)
 
