@@ -229,9 +229,9 @@ class RowOperator(AbstractRowOperator):
             chunk_size: number of rows computed at once (a positive int), or ``"auto"`` (the
                 default): the largest chunk whose compiled temp memory (``mv``, ``T.mv`` and
                 their VJPs) fits ``memory_budget`` (see :func:`chunkop.plan`). Planning
-                compiles these programs at a few chunk sizes when the operator is built (about
-                1-3 s on a CPU, once per shape signature: the plan is cached); pass an int to
-                skip it.
+                compiles these programs at a few chunk sizes when the operator is built (0.5-6 s
+                on a 2-core CPU, once per traced ``row_fn`` and shapes: the plan is cached);
+                pass an int to skip it.
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
             progress: as in :func:`chunkop.vmap`: every kernel (``mv``, ``T.mv``, their
                 derivatives) reports its chunks from inside the compiled loop.
