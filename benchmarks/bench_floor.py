@@ -55,51 +55,45 @@ def build(n_pix: int, n_bins: int, n_los: int, chunk: int) -> tuple[dict, dict]:
     def op(rows: dict) -> chunkop.RowOperator:
         return chunkop.RowOperator(row_fn, rows, x_struct, chunk_size=chunk)
 
-    def hand_forward(rows, sky, y):
-        def body(_, c):
-            return None, jnp.sum(B.los.los_weights(c["d"], c["s"], edges) * sky[c["pix"]], axis=-1)
-
+    def split(data: dict) -> tuple[dict, dict]:
+        """``data``'s full chunks, stacked ``(n_full, chunk, ...)``, and the rest."""
         k = n_los - n_los % chunk
-        full = jax.tree_util.tree_map(lambda a: a[:k].reshape((k // chunk, chunk)), rows)
-        _, out = jax.lax.scan(body, None, full)
-        rest = jax.tree_util.tree_map(lambda a: a[k:], rows)
-        return jnp.concatenate([out.reshape(-1), body(None, rest)[1]])
+        full = jax.tree_util.tree_map(lambda a: a[:k].reshape((k // chunk, chunk) + a.shape[1:]), data)
+        return full, jax.tree_util.tree_map(lambda a: a[k:], data)
 
-    def hand_transpose(rows, sky, y):
-        def body(acc, c):
-            w = B.los.los_weights(c["d"], c["s"], edges)
-            return acc.at[c["pix"]].add(c["y"][:, None] * w), None
+    def chunked(f, data):
+        """``f`` over chunks of lines (a scan of the full chunks, then the rest): per-line results."""
+        full, rest = split(data)
+        out = jax.lax.scan(lambda _, c: (None, f(c)), None, full)[1]
+        return jnp.concatenate([out.reshape(-1), f(rest)])
 
-        data = dict(rows, y=y)
-        k = n_los - n_los % chunk
-        full = jax.tree_util.tree_map(lambda a: a[:k].reshape((k // chunk, chunk)), data)
-        acc, _ = jax.lax.scan(body, jnp.zeros(x_struct.shape, jnp.float32), full)
-        return body(acc, jax.tree_util.tree_map(lambda a: a[k:], data))[0]
+    def accumulated(update, data):
+        """Zeros of the sky's shape, scatter-added into chunk by chunk: ``acc.at[pix].add(update(c))``."""
+        full, rest = split(data)
+        body = lambda acc, c: acc.at[c["pix"]].add(update(c))
+        acc = jax.lax.scan(lambda acc, c: (body(acc, c), None), jnp.zeros(x_struct.shape, jnp.float32), full)[0]
+        return body(acc, rest)
+
+    def weights(c):
+        return B.los.los_weights(c["d"], c["s"], edges)
 
     def weights_sum(rows):
-        return jnp.sum(B.los.los_weights(rows["d"], rows["s"], edges), 1)
+        return jnp.sum(weights(rows), 1)
 
     def read_sum(rows, sky):
         return jnp.sum(sky[rows["pix"]], 1)
 
-    def chunked(f, rows):
-        """``f`` over chunks of rows (a scan of the full chunks plus the rest): the per-line results."""
-        k = n_los - n_los % chunk
-        full = jax.tree_util.tree_map(lambda a: a[:k].reshape((k // chunk, chunk)), rows)
-        out = jax.lax.scan(lambda _, c: (None, f(c)), None, full)[1]
-        return jnp.concatenate([out.reshape(-1), f(jax.tree_util.tree_map(lambda a: a[k:], rows))])
+    def hand_forward(rows, sky, y):
+        return chunked(lambda c: jnp.sum(weights(c) * sky[c["pix"]], axis=-1), rows)
+
+    def hand_transpose(rows, sky, y):
+        return accumulated(lambda c: c["y"][:, None] * weights(c), dict(rows, y=y))
 
     def scatter_only(rows, sky, y):
         """The hand scatter-add scan without weights (``y`` broadcast over the bins)."""
-
-        def body(acc, c):
-            return acc.at[c["pix"]].add(jnp.broadcast_to(c["y"][:, None], (c["y"].shape[0], n_bins))), None
-
-        data = {"pix": rows["pix"], "y": y}
-        k = n_los - n_los % chunk
-        full = jax.tree_util.tree_map(lambda a: a[:k].reshape((k // chunk, chunk)), data)
-        acc, _ = jax.lax.scan(body, jnp.zeros(x_struct.shape, jnp.float32), full)
-        return body(acc, jax.tree_util.tree_map(lambda a: a[k:], data))[0]
+        return accumulated(
+            lambda c: jnp.broadcast_to(c["y"][:, None], (c["y"].shape[0], n_bins)), {"pix": rows["pix"], "y": y}
+        )
 
     fns = {
         "mv: chunkop": lambda rows, sky, y: op(rows).mv(sky),
