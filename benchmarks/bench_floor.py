@@ -12,6 +12,9 @@ order reversing every round; medians):
   computing every weight once (``sum(los_weights(d, s), 1)``:
   one sum per line, fused: no weight is written) and reading the gathered sky rows once
   (``sum(sky[pix], 1)``: the gather fused into the per-line sums);
+- a check of that floor: both floors computed in the same chunked scan, independently of each
+  other (only their per-line results are added): if XLA overlapped the compute-bound weights with
+  the memory-bound gather, this would take the larger of the two, not their sum;
 - ``A.T.mv``: chunkop and a hand scatter-add scan (zeros, then ``.at[pix].add(y w)`` chunk by
   chunk), against the transpose's floor: zero-filling the sky and scatter-adding ``n_los`` rows
   without weights, in one scatter (``zeros.at[pix].add(broadcast(y))``) or chunk by chunk; the
@@ -103,6 +106,9 @@ def build(n_pix: int, n_bins: int, n_los: int, chunk: int) -> tuple[dict, dict]:
         "mv floor: weights once, chunked": lambda rows, sky, y: chunked(weights_sum, rows),
         "mv floor: read gathered rows once": lambda rows, sky, y: read_sum(rows, sky),
         "mv floor: read gathered rows once, chunked": lambda rows, sky, y: chunked(lambda r: read_sum(r, sky), rows),
+        "mv check: weights and read, independent, in one chunked scan": lambda rows, sky, y: chunked(
+            lambda r: weights_sum(r) + read_sum(r, sky), rows
+        ),
         "T.mv: chunkop": lambda rows, sky, y: op(rows).T.mv(y),
         "T.mv: hand scatter-add scan": hand_transpose,
         "T.mv floor: zero-fill + scatter-add": lambda rows, sky, y: (
