@@ -23,7 +23,23 @@ __all__ = [
     "mapped_size",
     "is_array_leaf",
     "check_remat",
+    "replace_at",
 ]
+
+
+def replace_at(seq: Sequence[Any], positions: Sequence[int], values: Sequence[Any]) -> list:
+    """A copy of ``seq`` as a list, with ``values`` put at ``positions`` (pairwise).
+
+    How a function of some arguments (or leaves) is called with the others held fixed.
+
+    Example:
+        >>> replace_at(["a", "b", "c"], [0, 2], ["x", "z"])
+        ['x', 'b', 'z']
+    """
+    out = list(seq)
+    for i, v in zip(positions, values):
+        out[i] = v
+    return out
 
 
 def check_chunk_size(chunk_size: Any, *, allow_none: bool = True, where: str = "chunkop") -> int | None:

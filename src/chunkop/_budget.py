@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ._axes import replace_at
 from ._chunking import make_plan
 
 __all__ = [
@@ -393,19 +394,13 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
         return worst
 
     def loss(dargs: list, rest: list) -> jax.Array:
-        full = list(rest)
-        for i, a in zip(diff, dargs):
-            full[i] = a
-        outs = jax.tree_util.tree_leaves(fn(*full))
+        outs = jax.tree_util.tree_leaves(fn(*replace_at(rest, diff, dargs)))
         # a fixed linear functional of the outputs: the VJP's cotangent is the weight vector
         return sum(jnp.vdot(jnp.full(o.shape, 0.5, o.dtype), o).real for o in outs if _is_float(o))
 
     def vjp_program(dargs: list, rest: list, cts: Any) -> Any:
         def g(d: list) -> Any:
-            full = list(rest)
-            for i, a in zip(diff, d):
-                full[i] = a
-            return fn(*full)
+            return fn(*replace_at(rest, diff, d))
 
         _, pullback = jax.vjp(g, dargs)
         return pullback(cts)
@@ -454,10 +449,7 @@ def call_temp_bytes(
         fn = call_at_chunk(chunk)
 
         def flat(*d: Any) -> Any:
-            full = list(leaves)
-            for i, v in zip(dyn, d):
-                full[i] = v
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
+            a, k = jax.tree_util.tree_unflatten(treedef, replace_at(leaves, dyn, d))
             return fn(*a, **k)
 
         return program_temp_bytes(flat, structs, mode)

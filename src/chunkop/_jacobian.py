@@ -18,6 +18,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from . import _budget
+from ._axes import replace_at
 from ._vmap import vmap
 
 __all__ = ["jacrev", "jacfwd"]
@@ -47,10 +48,7 @@ def _check_argnums(argnums: int | Sequence[int], nargs: int, where: str) -> tupl
 
 def _partial_args(fun: Callable, args: tuple, kwargs: dict, nums: tuple[int, ...]) -> Callable:
     def f(*dyn: Any) -> Any:
-        full = list(args)
-        for i, d in zip(nums, dyn):
-            full[i] = d
-        return fun(*full, **kwargs)
+        return fun(*replace_at(args, nums, dyn), **kwargs)
 
     return f
 

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._axes import replace_at
 from ._cache import ClosesOverTracer, Uncacheable, jaxpr_key
 
 __all__ = ["Traced", "trace_example", "eval_traced"]
@@ -236,10 +237,7 @@ def trace_example(
     mapped = [i for i, a in enumerate(axes) if a is not None]
 
     def one(*examples: Any) -> Any:
-        flat = list(leaves)
-        for i, ex in zip(mapped, examples):
-            flat[i] = ex
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, flat)
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, replace_at(leaves, mapped, examples))
         return fun(*args, **kwargs)
 
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
