@@ -24,6 +24,7 @@ x-space results with one ``psum``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -349,20 +350,47 @@ def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
     return jax.tree_util.tree_map(fix, tree, specs)
 
 
-def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
-    """A ``RowOperator``'s in/out structure with the sharding types of an Explicit mesh.
+def _any_explicit(mesh: Any) -> bool:
+    types = getattr(mesh, "axis_types", ()) or ()
+    return not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in types)
 
-    On an Explicit mesh ``jax.eval_shape`` of a vector reports its sharding, and lineax compares
-    structures with it: the row space (``rows=True``) is sharded like the rows, the x space is
-    replicated (``T.mv`` ends in a ``psum``). Unchanged when the rows are not sharded, or the
-    mesh axes are Auto.
+
+@functools.lru_cache(maxsize=1024)
+def _normalised(struct: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """``struct`` as lineax normalises structures: through ``jax.eval_shape`` (which, on an
+    Explicit mesh, writes the partition spec out to one entry per dimension, e.g. ``P()`` ->
+    ``P(None,)``), without a weak dtype. lineax compares structures with ``==``, so ours must be
+    in that form for ``A.T @ A + lam * lx.IdentityLinearOperator(A.in_structure())``."""
+    out = jax.eval_shape(lambda v: v, struct)
+    return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
+
+
+def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
+    """A ``RowOperator``'s in/out structure, typed as the vectors it takes and returns are.
+
+    lineax compares an operator's structures with ``jax.eval_shape`` of vectors (and of other
+    operators' structures), which on an Explicit mesh include the sharding. So:
+
+    - rows sharded over an Explicit mesh: the row space (``rows=True``) is sharded like the
+      rows along its leading axis, the x space replicated (``T.mv`` ends in a ``psum``);
+    - otherwise, under a ``jax.set_mesh`` context with Explicit axes: both spaces replicated
+      on that mesh (what a vector created there is typed as);
+    - otherwise (no mesh, Auto axes): no sharding, as ``jax.eval_shape`` reports there.
+
+    Every sharding is normalised as ``jax.eval_shape`` (and so lineax) writes it.
     """
     mesh_axes = operator_mesh(op)
-    if mesh_axes is None or not _explicit(mesh_axes):
-        return structs
-    mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
-    sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if rows else P())
-    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), structs)
+    if mesh_axes is not None and _explicit(mesh_axes):
+        mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
+        sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if rows else P())
+    else:
+        context = jax.sharding.get_abstract_mesh()
+        if mesh_axes is not None or not _any_explicit(context):
+            return structs
+        sharding = NamedSharding(context, P())
+    return jax.tree_util.tree_map(
+        lambda s: _normalised(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype, sharding=sharding)), structs
+    )
 
 
 def _check_even(n: int, mesh_axes: MeshAxes) -> None:
