@@ -150,6 +150,7 @@ def _(operator):
         operator.in_structure(),
         chunk_size=operator.chunk_size,
         tags=operator.tags,
+        out_sharding=getattr(operator, "out_sharding", "rows"),
     )
 
 

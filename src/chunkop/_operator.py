@@ -246,6 +246,7 @@ class RowOperator(AbstractRowOperator):
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
     mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _sharding)
+    out_sharding: str = eqx.field(static=True, default="rows")  # "rows" or "replicated"
     budget_plan: Any = eqx.field(static=True, default=None)  # chunk_size="auto": see chunkop.plan
 
     def __init__(
@@ -258,6 +259,7 @@ class RowOperator(AbstractRowOperator):
         tags: object | Iterable[object] = (),
         progress: Progress = None,
         memory_budget: int | None = None,
+        out_sharding: str = "rows",
     ) -> None:
         """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
 
@@ -281,10 +283,21 @@ class RowOperator(AbstractRowOperator):
                 derivatives) reports its chunks from inside the compiled loop.
             memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
                 device's free memory.
+            out_sharding: with rows sharded over an Explicit mesh, how ``A x`` comes back:
+                ``"rows"`` (the default) sharded like the rows, each device keeping its own rows
+                (no collective); ``"replicated"``: gathered on every device (one all-gather of
+                the ``n_rows`` outputs per ``mv``; ``T.mv`` takes replicated vectors and each
+                device reads its own rows). lineax solvers that take dot products of row-space
+                vectors (``lineax.Normal`` for fewer rows than unknowns, ``lineax.LSMR``) need
+                ``"replicated"`` there: JAX refuses those dot products of row-sharded vectors on
+                an Explicit mesh. No effect without sharded rows or on Auto meshes.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
         chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where="RowOperator")
+        if out_sharding not in ("rows", "replicated"):
+            raise ValueError(f'RowOperator: `out_sharding` must be "rows" or "replicated", got {out_sharding!r}.')
+        self.out_sharding = out_sharding
         n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
         progress = check_progress(progress, "RowOperator")
@@ -321,7 +334,8 @@ class RowOperator(AbstractRowOperator):
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
         if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices
-            return _sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
+            out = _sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
+            return _sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
         return _rows.apply(self.spec, self.consts, self.rows, vector)
 
     def apply_transpose(self, vector: Any) -> Any:

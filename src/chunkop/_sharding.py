@@ -46,6 +46,7 @@ __all__ = [
     "with_sharding",
     "sharded_apply",
     "sharded_apply_transpose",
+    "replicate",
 ]
 
 
@@ -372,7 +373,8 @@ def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
     operators' structures), which on an Explicit mesh include the sharding. So:
 
     - rows sharded over an Explicit mesh: the row space (``rows=True``) is sharded like the
-      rows along its leading axis, the x space replicated (``T.mv`` ends in a ``psum``);
+      rows along its leading axis (replicated for ``out_sharding="replicated"``), the x space
+      replicated (``T.mv`` ends in a ``psum``);
     - otherwise, under a ``jax.set_mesh`` context with Explicit axes: both spaces replicated
       on that mesh (what a vector created there is typed as);
     - otherwise (no mesh, Auto axes): no sharding, as ``jax.eval_shape`` reports there.
@@ -382,7 +384,8 @@ def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
     mesh_axes = operator_mesh(op)
     if mesh_axes is not None and _explicit(mesh_axes):
         mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
-        sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if rows else P())
+        row_sharded = rows and getattr(op, "out_sharding", "rows") == "rows"
+        sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if row_sharded else P())
     else:
         context = jax.sharding.get_abstract_mesh()
         if mesh_axes is not None or not _any_explicit(context):
@@ -391,6 +394,17 @@ def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
     return jax.tree_util.tree_map(
         lambda s: _normalised(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype, sharding=sharding)), structs
     )
+
+
+def replicate(tree: Any, mesh_axes: MeshAxes) -> Any:
+    """On an Explicit mesh, ``tree`` resharded to replicated (an all-gather); else unchanged.
+
+    Outside the ``shard_map`` (``jax.sharding.reshard``), so that its derivative is the exact
+    transpose (a local slice) rather than a ``psum_scatter`` of replicated cotangents.
+    """
+    if not _explicit(mesh_axes):
+        return tree
+    return _conform(tree, jax.tree_util.tree_map(lambda _: P(), tree), mesh_axes)
 
 
 def _check_even(n: int, mesh_axes: MeshAxes) -> None:
