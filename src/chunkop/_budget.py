@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ._axes import replace_at
 from ._chunking import make_plan
@@ -75,7 +76,8 @@ class BudgetPlan(NamedTuple):
 
     Attributes:
         chunk: the chosen chunk size, or None when the whole axis fits (no chunking).
-        size: the size of the mapped axis.
+        size: the size of the axis the chunk was planned for: one device's shard of the mapped
+            axis (or of the rows) when it is sharded over devices, else the whole axis.
         budget: the budget in bytes the chunk was chosen for.
         mode: the transforms planned for (``"forward"``, ``"grad"`` or ``"hvp"``).
         predicted_bytes: the temp memory the affine model predicted at ``chunk`` (None when no
@@ -83,6 +85,9 @@ class BudgetPlan(NamedTuple):
         compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``.
         probes: every ``(chunk, temp_bytes)`` compiled while planning, in order.
         cap: the throughput cap the search aimed at, if any (:data:`CPU_TEMP_CAP` on CPU).
+        shards: the number of devices the axis is sharded over (1: not sharded); each device
+            chunks its own ``size`` elements. ``global_size`` is the whole axis,
+            ``size * shards``.
 
     Example:
         >>> import jax.numpy as jnp, chunkop
@@ -100,11 +105,18 @@ class BudgetPlan(NamedTuple):
     compiled_bytes: int
     probes: tuple
     cap: int | None = None
+    shards: int = 1
+
+    @property
+    def global_size(self) -> int:
+        """The size of the whole mapped axis (all shards): ``size * shards``."""
+        return self.size * self.shards
 
     def __repr__(self) -> str:
         mib = lambda b: "None" if b is None else f"{b / 2**20:.2f} MiB"
+        size = f"size={self.size}" if self.shards == 1 else f"size={self.size} per shard x {self.shards} shards"
         return (
-            f"BudgetPlan(chunk={self.chunk}, size={self.size}, budget={mib(self.budget)}, "
+            f"BudgetPlan(chunk={self.chunk}, {size}, budget={mib(self.budget)}, "
             f"mode={self.mode!r}, cap={mib(self.cap)}, predicted={mib(self.predicted_bytes)}, "
             f"compiled={mib(self.compiled_bytes)}, probes={len(self.probes)})"
         )
@@ -636,22 +648,57 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
     row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
     n = int(row_leaves[0].shape[0])
     mesh_axes = _sharding.row_mesh(rows)
+    shards = 1
     if mesh_axes is not None and n % mesh_axes.n_shards == 0:
-        n //= mesh_axes.n_shards
+        shards = mesh_axes.n_shards
+        n //= shards
     row_structs = [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
     local_rows = jax.tree_util.tree_unflatten(row_tree, row_structs)
     cap = throughput_cap()
 
     def compute() -> BudgetPlan:
         temp = lambda chunk: rows_temp_bytes(row_fn, local_rows, in_structure, chunk)
-        return choose_chunk(temp, n, budget, mode="grad", cap=cap)
+        return choose_chunk(temp, n, budget, mode="grad", cap=cap)._replace(shards=shards)
 
     # the same row_fn (by its traced jaxpr), row and x shapes, budget and device kind: the same plan
     spec, _ = _rows.make_spec(row_fn, local_rows, in_structure, 1)
     if spec.key is None:
         return compute()
     shapes = tuple((s.shape, str(s.dtype)) for s in row_structs)
-    return cached_plan(("rows", spec.key, shapes, budget, cap, jax.default_backend()), compute)
+    return cached_plan(("rows", spec.key, shapes, shards, budget, cap, jax.default_backend()), compute)
+
+
+def _plan_shard(f: Any, leaves: list, treedef: Any, axes: list, mesh_axes: Any, n_local: int) -> BudgetPlan:
+    """The plan a sharded call of ``f`` makes on each device: for its local shard.
+
+    A sharded call runs ``f`` inside a ``jax.shard_map`` on the traced local shards
+    (:func:`chunkop._sharding.call_sharded`), and plans there. The same is done here, under
+    ``jax.eval_shape`` (nothing runs), so that the plan, and what it caches, is the call's.
+    """
+    from . import _sharding
+
+    names = mesh_axes.names
+    dynamic = [_sharding._is_array(x) for x in leaves]
+    dyn = [x for x, d in zip(leaves, dynamic) if d]
+    specs = [_sharding._spec_at(a, names) if a is not None else P() for a, d in zip(axes, dynamic) if d]
+    found: list = []
+
+    def local(*d: Any) -> tuple:
+        it = iter(d)
+        full = [next(it) if is_dyn else x for x, is_dyn in zip(leaves, dynamic)]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        with _sharding._inside_local():
+            found.append(plan_call(f, a, k, full, treedef, axes, n_local))
+        return ()
+
+    def run(*d: Any) -> tuple:
+        d = _sharding._conform(list(d), specs, mesh_axes)
+        return jax.shard_map(
+            local, mesh=mesh_axes.mesh, in_specs=tuple(specs), out_specs=(), axis_names=set(names), check_vma=False
+        )(*d)
+
+    jax.eval_shape(run, *dyn)
+    return found[0]
 
 
 def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
@@ -668,7 +715,9 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
     Returns:
         The :class:`BudgetPlan`: ``chunk`` (None: no chunking), ``budget``, ``mode``,
         ``predicted_bytes``, ``compiled_bytes`` and the ``probes`` compiled. Plans are cached per
-        call signature, so calling ``f`` with the same arguments then plans nothing.
+        call signature, so calling ``f`` with the same arguments then plans nothing. With the
+        mapped axis (or the operator's rows) sharded over devices, it is the plan each device
+        makes for its own shard: ``size`` per shard, ``shards`` and ``global_size``.
 
     Raises:
         TypeError: when ``f`` is not an ``"auto"`` chunked transform or operator.
@@ -679,6 +728,7 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
         >>> chunkop.plan(f, jnp.zeros(1000)).chunk is None  # the whole axis fits: no chunking
         True
     """
+    from . import _sharding
     from ._axes import mapped_size
 
     target = getattr(f, "operator", f)
@@ -693,6 +743,16 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
         )
     leaves, treedef, axes, paths = f._flat_arguments(args, kwargs)
     n = mapped_size(leaves, axes, paths, f.axis_size, f.where)
-    result = plan_call(f, args, kwargs, leaves, treedef, axes, n)
+    sharded = _sharding.mapped_mesh_axes(leaves, axes, f.where, f.spmd_axis_name)
+    if sharded is not None:  # each device plans for its own shard: so does this
+        shards = sharded.n_shards
+        if n % shards:
+            raise ValueError(
+                f"chunkop.plan: the mapped axis (size {n}) is sharded over mesh axes {sharded.names} of "
+                f"{shards} devices, which does not divide it; pad the inputs to a multiple of {shards}."
+            )
+        result = _plan_shard(f, leaves, treedef, axes, sharded, n // shards)._replace(shards=shards)
+    else:
+        result = plan_call(f, args, kwargs, leaves, treedef, axes, n)
     f.last_plan = result
     return result

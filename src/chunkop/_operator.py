@@ -468,11 +468,13 @@ def _dense(base: AbstractRowOperator) -> jax.Array:
     x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), base.in_structure())
     flat_x, unravel_x = ravel_pytree(x0)
 
-    def row_matrix(row: Any) -> jax.Array:
+    def row_matrix(row: Any, at: jax.Array) -> jax.Array:
         f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]
-        return linear_jacobian(f, flat_x)  # (row_out_size, in_size); exact: f is linear
+        return linear_jacobian(f, at)  # (row_out_size, in_size); exact: f is linear
 
-    blocks = vmap(row_matrix, chunk_size=base.chunk_size)(base.rows)
+    # `flat_x` an argument, not a closure: with rows sharded over devices the vmap runs in a
+    # shard_map, which takes Explicit-mesh arrays as arguments only
+    blocks = vmap(row_matrix, in_axes=(0, None), chunk_size=base.chunk_size)(base.rows, flat_x)
     if jax.tree_util.tree_structure(base.out_structure()).num_leaves != 1:
         # rows' outputs are pytrees: reorder from row-major blocks to ravel_pytree's leaf order
         mats = []
