@@ -7,18 +7,23 @@ chunk loop, and it is keyed by **what was traced**: a structural fingerprint of 
 equality. Closed-over arrays are not part of the key: they are hoisted out of the jaxpr and
 passed to the loop as arguments (closure conversion, see :mod:`chunkop._trace`).
 
-A jaxpr can hold opaque Python callables: the rules of ``custom_jvp``/``custom_vjp``/
-``custom_vmap`` functions and host callbacks. Those are keyed by *identity* (through a weak
-reference, so a dead function never matches a new one that reuses its address), after
-unwrapping JAX's own per-trace wrappers; the values a user-level rule closes over are keyed
-by value (numbers, strings) or identity (arrays, tracers, other objects). A rule that reads
-mutable state other than through its closure (a module global, an attribute of ``self``) is,
-as under ``jax.jit``, read when JAX traces it. Anything that cannot be keyed makes the call
-run uncached (correct, compiled afresh).
+A jaxpr can hold opaque Python callables. The rules of ``custom_jvp``/``custom_vjp`` functions
+are keyed by **what they trace to**: the JVP rule, the forward rule and the backward rule are
+traced (on the call's avals, as JAX itself would trace them when differentiating) and keyed like
+any jaxpr, their constants by value (arrays by their bytes). So a rule's ``nondiff_argnums``
+values, the cells it closes over, the globals and NumPy arrays it reads, and a rule defined
+afresh on every call all key by what they compute, never by identity. Rules nested inside a
+rule's jaxpr (second-order rules) and other callables (host callbacks, checkpoint policies) are
+keyed by identity (through a weak reference, so a dead function never matches a new one that
+reuses its address) together with what they close over, by value; a callback is called when the
+program runs, so what it reads then is never stale. Floats are keyed by their bits (``0.0`` and
+``-0.0`` differ, ``nan`` matches itself). Anything that cannot be keyed safely (a large array
+baked into a sub-jaxpr or a rule, an unhashable parameter) makes the call run uncached: correct,
+compiled afresh, and never kept.
 
 The cache is a bounded LRU (:data:`MAX_ENTRIES` loops). It holds jaxprs without their
-constants, so no user array is kept alive by it, only (through custom rules) the rule
-functions of at most that many loops. :func:`clear_caches` empties it.
+top-level constants (those are hoisted and passed as arguments), so it keeps alive only what
+the custom rules and callbacks of at most that many loops hold. :func:`clear_caches` empties it.
 """
 
 from __future__ import annotations
@@ -89,7 +94,15 @@ _SIMPLE = (str, bytes, int, float, complex, bool, type(None), np.dtype, enum.Enu
 
 
 def _simple_key(value: Any) -> Hashable:
-    """A by-value key for plain data (numbers, strings, dtypes, treedefs, tuples of those)."""
+    """A by-value key for plain data (numbers, strings, dtypes, treedefs, tuples of those).
+
+    Floats are keyed by their bits: ``0.0 == -0.0`` and ``nan != nan`` would otherwise make a
+    key match a different value, or never match itself.
+    """
+    if isinstance(value, float):
+        return (type(value).__name__, value.hex())
+    if isinstance(value, complex):
+        return (type(value).__name__, value.real.hex(), value.imag.hex())
     if isinstance(value, _SIMPLE):
         return (type(value).__name__, value)
     if isinstance(value, jax.tree_util.PyTreeDef):
@@ -172,26 +185,89 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
 
 
 def _param_tuple_key(params: Any, depth: int) -> Hashable:
+    """A key for a ``WrappedFun``'s (or one transform's) parameters: user values wrapped by JAX
+    (``nondiff_argnums`` values, static arguments) by value, stores skipped, anything else keyed
+    as :func:`value_key` does (never silently dropped)."""
     items = params if isinstance(params, tuple) else (params,)
     parts = []
     for p in items:
-        if _is_function_like(p):
-            parts.append(callable_key(p, depth))
-        elif _is_simple(p):
+        if _is_per_trace_state(p):
+            continue
+        if isinstance(p, tuple):
+            parts.append(_param_tuple_key(p, depth + 1))
+        elif isinstance(p, jax.tree_util.PyTreeDef) or _is_simple(p):
             parts.append(_simple_key(p))
-        # other per-trace transform state (stores) is not part of the key
+        else:
+            parts.append(value_key(p, depth + 1))
     return tuple(parts)
 
 
 def value_key(value: Any, depth: int = 0) -> Hashable:
-    """A key for a value a user-level rule closes over: by value for plain data, else by identity."""
+    """A key for a value a rule or callback closes over.
+
+    By value for plain data and arrays (:func:`array_key`: a NumPy array changed in place keys
+    differently), a callable by :func:`callable_key`, any other object by identity.
+    """
     if isinstance(value, jax.core.Tracer):
         raise ClosesOverTracer(type(value).__name__)
     if _is_simple(value):
         return _simple_key(value)
+    if _is_array(value):
+        return array_key(value)
     if _is_function_like(value):
         return callable_key(value, depth + 1)
+    if _is_jax_wrapper(value):
+        return ("wrapped-value", value_key(_unwrap(value), depth + 1))
+    if (type(value).__module__ or "").startswith(("jax._src", "jax.")):
+        try:  # JAX's own value objects (avals, shardings ...) define value equality
+            hash(value)
+            return ("jax-object", type(value), value)
+        except TypeError:
+            pass
     return ("ident", _Ident(value))
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, (np.ndarray, np.generic, jax.Array))
+
+
+# Arrays baked into a compiled loop (constants of a rule or of a sub-jaxpr) are keyed by their
+# bytes up to this many elements; a larger one makes the call run uncached.
+MAX_KEYED_ELEMENTS = 1 << 16
+
+
+def array_key(value: Any) -> Hashable:
+    """An array's value as a key: dtype, shape and bytes (:data:`MAX_KEYED_ELEMENTS` at most)."""
+    if isinstance(value, jax.core.Tracer):
+        raise ClosesOverTracer(type(value).__name__)
+    if int(np.prod(np.shape(value))) > MAX_KEYED_ELEMENTS:
+        raise Uncacheable(f"array of shape {np.shape(value)} too large to key by value")
+    try:
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.extended):
+            value = jax.random.key_data(value)
+        host = np.asarray(value)
+    except Exception as err:  # whatever cannot be read back cannot be keyed
+        raise Uncacheable(f"cannot read {type(value).__name__} back to the host") from err
+    return ("array", str(host.dtype), host.shape, host.tobytes(), getattr(value, "weak_type", None))
+
+
+def _is_jax_wrapper(value: Any) -> bool:
+    """JAX's wrappers of user values in ``WrappedFun`` parameters (``Unhashable``, ``Hashable`` ...)."""
+    return type(value).__module__.startswith("jax._src") and type(value).__name__ in (
+        "Unhashable",
+        "Hashable",
+        "HashableWrapper",
+        "_HashableByObjectId",
+    )
+
+
+def _unwrap(value: Any) -> Any:
+    return value.x if type(value).__name__ == "HashableWrapper" else value.val
+
+
+def _is_per_trace_state(value: Any) -> bool:
+    """JAX's per-trace bookkeeping in a ``WrappedFun``'s parameters (stores): not part of a key."""
+    return type(value).__name__ in ("Store", "EqualStore")
 
 
 def _aval_key(aval: Any) -> Hashable:
@@ -206,19 +282,19 @@ def _literal_key(lit: Any) -> Hashable:
     return ("lit", type(val).__name__, repr(val), _aval_key(lit.aval))
 
 
-def _param_key(value: Any, depth: int) -> Hashable:
+def _param_key(value: Any, depth: int, rule_depth: int) -> Hashable:
     if isinstance(value, jex_core.ClosedJaxpr):
-        if value.consts:  # values baked into a sub-jaxpr: keyed by identity (no sharing, still correct)
-            consts = tuple(("ident", _Ident(c)) if not _is_simple(c) else _simple_key(c) for c in value.consts)
-        else:
-            consts = ()
-        return ("closed_jaxpr", jaxpr_key(value.jaxpr, depth + 1), consts)
+        # values baked into a sub-jaxpr (an inner jit's closure, say) are keyed by value
+        consts = tuple(value_key(c, depth) for c in value.consts)
+        return ("closed_jaxpr", jaxpr_key(value.jaxpr, depth + 1, rule_depth), consts)
     if isinstance(value, jex_core.Jaxpr):
-        return ("jaxpr", jaxpr_key(value, depth + 1))
+        return ("jaxpr", jaxpr_key(value, depth + 1, rule_depth))
     if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_param_key(v, depth) for v in value))
+        return (type(value).__name__, tuple(_param_key(v, depth, rule_depth) for v in value))
     if _is_function_like(value):
         return callable_key(value, depth)
+    if _is_simple(value):
+        return _simple_key(value)
     try:
         hash(value)
     except TypeError:
@@ -226,8 +302,99 @@ def _param_key(value: Any, depth: int) -> Hashable:
     return ("param", type(value).__name__, value)
 
 
-def jaxpr_key(jaxpr: Any, depth: int = 0) -> Hashable:
-    """A structural fingerprint of a jaxpr: equal fingerprints compute the same function."""
+# -- custom rules, keyed by what they trace to --------------------------------------------------
+
+# Rules are traced into the key this many levels deep (a rule whose own jaxpr calls a custom
+# function: that inner function's rules are keyed by identity and closure, see callable_key).
+_RULE_LEVELS = 1
+
+
+def _is_inexact(aval: Any) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, np.inexact)
+
+
+def _traced_key(jaxpr: Any, consts: Any, depth: int, rule_depth: int) -> Hashable:
+    """A traced rule: its jaxpr's structure and its constants by value."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        jaxpr, consts = jaxpr.jaxpr, [*jaxpr.consts, *consts]
+    return (jaxpr_key(jaxpr, depth + 1, rule_depth + 1), tuple(value_key(c, depth) for c in consts))
+
+
+def _trace_rule(thunk: Callable[[], Any]) -> Any:
+    try:
+        return thunk()
+    except Uncacheable:
+        raise
+    except Exception as err:  # a rule that cannot be traced here runs uncached
+        raise Uncacheable(f"custom rule could not be traced for the cache key: {err!r}") from err
+
+
+def _custom_jvp_key(eqn: Any, depth: int, rule_depth: int) -> Hashable:
+    """``custom_jvp_call``: the primal jaxpr and the JVP rule traced as JAX traces it under ``jvp``
+    (float inputs perturbed; the rule's ``nondiff_argnums`` values, closure and globals are
+    what it traces to)."""
+    p = eqn.params
+    nc = p["num_consts"]
+    in_zeros = tuple(not _is_inexact(v.aval) for v in eqn.invars[nc:])
+    jaxpr, consts, out_zeros = _trace_rule(lambda: p["jvp_jaxpr_fun"].call_wrapped(*in_zeros))
+    return (
+        "custom_jvp",
+        jaxpr_key(p["call_jaxpr"].jaxpr, depth + 1, rule_depth),
+        nc,
+        p["symbolic_zeros"],
+        _traced_key(jaxpr, consts, depth, rule_depth),
+        tuple(out_zeros),
+    )
+
+
+def _custom_vjp_key(eqn: Any, depth: int, rule_depth: int) -> Hashable:
+    """``custom_vjp_call``: the primal jaxpr, the forward rule and the backward rule, each traced
+    on the avals JAX gives it under ``vjp`` (residuals from the forward rule, cotangents of the
+    outputs)."""
+    p = eqn.params
+    nc = p["num_consts"]
+    in_avals = [v.aval for v in eqn.invars]
+    nonzeros = tuple(_is_inexact(a) for a in in_avals[nc:])
+    fwd_jaxpr, fwd_consts = _trace_rule(lambda: p["fwd_jaxpr_thunk"].call_wrapped(*nonzeros))
+    out_tree, res_tree, input_fwds = p["out_trees"]()
+    n_res_out = res_tree.num_leaves - sum(f is not None for f in input_fwds)
+    res_out = iter(v.aval for v in fwd_jaxpr.outvars[:n_res_out])
+    res_avals = [next(res_out) if f is None else in_avals[f] for f in input_fwds]
+    ct_avals = [v.aval.to_tangent_aval() for v in eqn.outvars]
+
+    def bwd(*args: Any) -> list:
+        outs = p["bwd"].call_wrapped(*args)
+        # symbolic zeros (no cotangent for an input) as None: part of the traced output's tree
+        return [None if o is None or type(o).__name__ in ("Zero", "SymbolicZero") else o for o in outs]
+
+    structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [*res_avals, *ct_avals]]
+    bwd_closed = _trace_rule(lambda: jax.make_jaxpr(bwd)(*structs))
+    return (
+        "custom_vjp",
+        jaxpr_key(p["call_jaxpr"].jaxpr, depth + 1, rule_depth),
+        nc,
+        p["symbolic_zeros"],
+        _traced_key(fwd_jaxpr, fwd_consts, depth, rule_depth),
+        _traced_key(bwd_closed, (), depth, rule_depth),
+        (out_tree, res_tree, tuple(input_fwds)),
+    )
+
+
+_RULE_KEYS = {"custom_jvp_call": _custom_jvp_key, "custom_vjp_call": _custom_vjp_key}
+
+
+def _eqn_params_key(eqn: Any, depth: int, rule_depth: int) -> Hashable:
+    rule_key = _RULE_KEYS.get(eqn.primitive.name)
+    if rule_key is not None and rule_depth < _RULE_LEVELS:
+        return rule_key(eqn, depth, rule_depth)
+    return tuple(sorted((k, _param_key(v, depth, rule_depth)) for k, v in eqn.params.items()))
+
+
+def jaxpr_key(jaxpr: Any, depth: int = 0, rule_depth: int = 0) -> Hashable:
+    """A structural fingerprint of a jaxpr: equal fingerprints compute the same function.
+
+    ``rule_depth`` counts the custom rules traced on the way here (see :data:`_RULE_LEVELS`).
+    """
     if depth > 64:
         raise Uncacheable("jaxpr nested too deeply")
     names: dict[Any, int] = {}
@@ -248,7 +415,7 @@ def jaxpr_key(jaxpr: Any, depth: int = 0) -> Hashable:
     )
     eqns = []
     for eqn in jaxpr.eqns:
-        params = tuple(sorted((k, _param_key(v, depth)) for k, v in eqn.params.items()))
+        params = _eqn_params_key(eqn, depth, rule_depth)
         ins = tuple(ref(v) for v in eqn.invars)
         outs = tuple(("drop", _aval_key(v.aval)) if isinstance(v, jex_core.DropVar) else bind(v) for v in eqn.outvars)
         eqns.append((eqn.primitive.name, params, ins, outs))

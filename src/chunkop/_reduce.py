@@ -29,13 +29,14 @@ def _result_dtype(reduce: Callable, dtype: Any) -> Any:
 def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = False) -> Callable[[list, list], Any]:
     """``(consts, mapped) -> sum`` (or mean) over the mapped axis of the traced function's outputs.
 
-    Chunk sums are accumulated in float32 for bfloat16/float16 outputs (else in ``jnp.sum``'s
-    dtype) and cast to ``jnp.sum``'s (``jnp.mean``'s) dtype at the end.
+    Chunk sums are accumulated in the dtype of the result (``jnp.sum``'s, or ``jnp.mean``'s:
+    a mean of integers is summed in floating point, as ``jnp.mean`` does, never in a wrapping
+    integer), widened to float32 for bfloat16/float16, and cast to the result's dtype at the end.
     """
     reduce = jnp.mean if divide else jnp.sum
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
     final = [_result_dtype(reduce, s.dtype) for s in out_leaves]
-    acc = [accumulation_dtype(_result_dtype(jnp.sum, s.dtype)) for s in out_leaves]
+    acc = [accumulation_dtype(d) for d in final]
     plan = spec.plan
 
     def loop(consts: list, mapped: list) -> Any:
@@ -47,10 +48,8 @@ def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = Fals
 
         init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
         total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
-        if divide:
-            total = [
-                t / plan.size if jnp.issubdtype(t.dtype, jnp.inexact) else t / jnp.float32(plan.size) for t in total
-            ]
+        if divide:  # the totals are inexact (see above): divide in their own dtype
+            total = [t / jnp.asarray(plan.size, t.dtype) for t in total]
         return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
 
     return loop
@@ -76,11 +75,12 @@ class _Summed(_Chunked):
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
         totals = []
         for k, s in enumerate(out_leaves):
-            acc = accumulation_dtype(_result_dtype(jnp.sum, s.dtype))
+            final = _result_dtype(self.reduce, s.dtype)
+            acc = accumulation_dtype(final)
             total = sum(jnp.sum(c[k], axis=0, dtype=acc) for c in chunk_outs)
             if self.reduce is jnp.mean:
-                total = total / n if jnp.issubdtype(total.dtype, jnp.inexact) else total / jnp.float32(n)
-            totals.append(total.astype(_result_dtype(self.reduce, s.dtype)))
+                total = total / jnp.asarray(n, acc)
+            totals.append(total.astype(final))
         return jax.tree_util.tree_unflatten(out_tree, totals)
 
 

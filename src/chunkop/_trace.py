@@ -203,6 +203,40 @@ def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int
             )
 
 
+# -- constants baked into inner jits ---------------------------------------------------------------
+
+
+def _jit_with_consts(eqn: Any) -> bool:
+    sub = eqn.params.get("jaxpr")
+    return eqn.primitive.name in ("jit", "pjit") and isinstance(sub, jax.extend.core.ClosedJaxpr) and bool(sub.consts)
+
+
+def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
+    """Evaluate ``jaxpr`` like ``jax.core.eval_jaxpr``, but inline every ``jit`` whose jaxpr holds
+    constants (an inner ``jax.jit`` closing over arrays), so that those arrays become constants of
+    the enclosing trace (hoisted) instead of values baked into the program."""
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if _jit_with_consts(eqn):
+            sub = eqn.params["jaxpr"]
+            outs = _eval_inlining_jits(sub.jaxpr, list(sub.consts), *invals)
+        else:
+            with eqn.ctx.manager:  # as jax.core.eval_jaxpr binds an equation
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, jax.extend.core.DropVar):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
 # -- tracing ---------------------------------------------------------------------------------------
 
 
@@ -243,6 +277,12 @@ def trace_example(
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
     env = [(axis_name, n)] if axis_name is not None else []
     closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
+    if any(_jit_with_consts(eqn) for eqn in closed.jaxpr.eqns):
+        # An inner jax.jit closing over arrays (built afresh per step over new parameters, say):
+        # trace once more with it inlined, so those arrays are hoisted (passed to the compiled
+        # loop as arguments, not baked into it) and the loop is reused across steps.
+        inner = closed
+        closed = jax.make_jaxpr(lambda *ex: _eval_inlining_jits(inner.jaxpr, inner.consts, *ex), axis_env=env)(*structs)
     if axis_name is not None:
         _check_collectives(closed, axis_name, n, chunk_size, where)
     if jax.config.jax_custom_vjp3 and remat is not False and _has_eqn(closed.jaxpr, _is_custom_vjp):

@@ -1,0 +1,219 @@
+"""A cached chunk loop is reused only when it computes what the call asks for (issue #15, items 1-4).
+
+Each case changes something a compiled loop depends on between two calls (a ``nondiff_argnums``
+value, a NumPy array a rule reads, a closed-over ``-0.0``) and compares against ``jax.vmap`` on
+the same state; or repeats an identical call and counts cache entries (a ``nan`` in a closure,
+an inner ``jax.jit`` rebuilt per step, a rule defined afresh per call), and checks that the cache
+keeps no user array alive.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import chunkop
+from chunkop import _cache
+
+X = jnp.linspace(-1.0, 1.0, 10)
+
+
+def _grads(fun, x=X):
+    """Gradient of sum(vmap(fun)) by chunkop (chunk 3: 3 chunks + a remainder of 1) and by jax.vmap."""
+    ours = jax.grad(lambda x: chunkop.vmap(fun, chunk_size=3)(x).sum())(x)
+    ref = jax.grad(lambda x: jax.vmap(fun)(x).sum())(x)
+    return ours, ref
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    chunkop.clear_caches()
+    yield
+    chunkop.clear_caches()
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _surrogate_step(slope, x):
+    return jnp.heaviside(x, 0.0)
+
+
+@_surrogate_step.defjvp
+def _surrogate_step_jvp(slope, primals, tangents):
+    (x,), (t,) = primals, tangents
+    return _surrogate_step(slope, x), slope * t / (1.0 + jnp.abs(x)) ** 2
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _clip_gradient(c, x):
+    return x
+
+
+_clip_gradient.defvjp(lambda c, x: (x, None), lambda c, _, g: (jnp.clip(g, -c, c),))
+
+
+@pytest.mark.parametrize("slopes", [(1.0, 5.0), (5.0, 1.0)])
+def test_custom_jvp_nondiff_value_changes_the_gradient(slopes):
+    for slope in slopes:
+        ours, ref = _grads(lambda xi: _surrogate_step(slope, xi))
+        np.testing.assert_allclose(ours, ref, rtol=1e-6)
+
+
+def test_custom_vjp_nondiff_value_changes_the_gradient():
+    for c in (1.0, 0.25):
+        ours, ref = _grads(lambda xi: 3.0 * _clip_gradient(c, xi))
+        np.testing.assert_allclose(ours, ref, rtol=1e-6)
+        np.testing.assert_allclose(ours, jnp.full_like(X, min(3.0, c)))
+
+
+def test_rule_reading_a_numpy_array_changed_in_place():
+    table = np.array([1.0], np.float32)
+
+    @jax.custom_jvp
+    def scaled(x):
+        return x
+
+    scaled.defjvp(lambda p, t: (p[0], t[0] * table[0]))
+    for value in (1.0, 7.0, 1.0):
+        table[0] = value
+        ours, ref = _grads(scaled)
+        np.testing.assert_allclose(ours, ref)
+        np.testing.assert_allclose(ours, jnp.full_like(X, value))
+
+
+def test_closure_cell_rebound_to_negative_zero():
+    def make():
+        c = 0.0
+
+        @jax.custom_jvp
+        def h(x):
+            return x
+
+        h.defjvp(lambda p, t: (p[0], t[0] / c))  # +inf or -inf: the sign of the zero shows
+
+        def set_c(v):
+            nonlocal c
+            c = v
+
+        return h, set_c
+
+    h, set_c = make()
+    for value in (0.0, -0.0, 0.0):
+        set_c(value)
+        ours, ref = _grads(h)
+        np.testing.assert_array_equal(ours, ref)
+        np.testing.assert_array_equal(ours, jnp.full_like(X, np.copysign(np.inf, value)))
+
+
+def test_nan_in_a_closure_matches_itself():
+    def make():
+        c = 0.0
+
+        @jax.custom_jvp
+        def h(x):
+            return x
+
+        h.defjvp(lambda p, t: (p[0], t[0] * c))
+
+        def set_c(v):
+            nonlocal c
+            c = v
+
+        return h, set_c
+
+    h, set_c = make()
+    for _ in range(3):
+        set_c(float(np.float64("nan")))  # a new nan object each time: nan != nan
+        ours, _ = _grads(h)
+        assert np.isnan(ours).all()
+    assert len(_cache._LOOPS) == 1
+
+
+def test_rule_defined_afresh_per_call_is_reused():
+    def per_call(x):
+        @jax.custom_jvp
+        def f(v):
+            return jnp.sin(v)
+
+        f.defjvp(lambda p, t: (jnp.sin(p[0]), jnp.cos(p[0]) * t[0]))
+        return jax.grad(lambda x: chunkop.vmap(f, chunk_size=3)(x).sum())(x)
+
+    for _ in range(3):
+        np.testing.assert_allclose(per_call(X), jnp.cos(X), rtol=1e-6)
+    assert len(_cache._LOOPS) == 1
+
+
+def test_inner_jit_rebuilt_per_step_is_reused_and_not_kept():
+    refs = []
+
+    def step(p):
+        inner = jax.jit(lambda v: jnp.tanh(v * p))
+        return chunkop.vmap(lambda xi: inner(xi).sum(), chunk_size=3)(X)
+
+    for i in range(3):
+        p = jnp.full((64,), float(i + 1))
+        ref = jax.vmap(lambda xi, p=p: jnp.tanh(xi * p).sum())(X)
+        np.testing.assert_allclose(step(p), ref, rtol=1e-6)
+        refs.append(weakref.ref(p))
+        del p
+    assert len(_cache._LOOPS) == 1
+    gc.collect()
+    assert all(r() is None for r in refs[:-1]), "the loop cache keeps old parameter arrays alive"
+
+
+def test_large_constant_in_a_rule_is_not_baked_into_a_cached_loop():
+    big = np.ones(_cache.MAX_KEYED_ELEMENTS + 1, np.float32)
+
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    f.defjvp(lambda p, t: (p[0], t[0] * jnp.asarray(big).sum()))
+    for value in (1.0, 2.0):
+        big[:] = value
+        ours, ref = _grads(f)
+        np.testing.assert_allclose(ours, ref)
+    assert len(_cache._LOOPS) == 0  # ran uncached: correct, and nothing kept
+
+
+def test_row_operator_rule_nondiff_value():
+    """The same through RowOperator: a row function with a nondiff custom rule, d/dw x1 then x10."""
+
+    @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+    def weight(k, w):
+        return w
+
+    @weight.defjvp
+    def _(k, primals, tangents):
+        return weight(k, primals[0]), k * tangents[0]
+
+    rows = {"idx": jnp.arange(6) % 4, "w": jnp.linspace(0.5, 1.0, 6)}
+    x = jnp.arange(4.0) + 1.0
+    for k in (1.0, 10.0):
+
+        def row_fn(row, x, k=k):
+            return weight(k, row["w"]) * x[row["idx"]]
+
+        op = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((4,), jnp.float32), chunk_size=4)
+        dw = jax.grad(
+            lambda w: chunkop.RowOperator(row_fn, {**rows, "w": w}, op.in_structure(), chunk_size=4).mv(x).sum()
+        )(rows["w"])
+        ref = jax.grad(lambda w: jax.vmap(row_fn, in_axes=(0, None))({**rows, "w": w}, x).sum())(rows["w"])
+        np.testing.assert_allclose(dw, ref, rtol=1e-6)
+        np.testing.assert_allclose(dw, k * x[rows["idx"]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_integer_reductions_follow_jnp(reduce):
+    v = jnp.full((8,), 2_000_000_000, jnp.int32)
+    ours = getattr(chunkop, reduce)(lambda a: a, chunk_size=3)(v)
+    ref = getattr(jnp, reduce)(v)
+    assert ours.dtype == ref.dtype
+    np.testing.assert_array_equal(ours, ref)
+    if reduce == "mean":
+        np.testing.assert_allclose(ours, 2e9, rtol=1e-6)  # not int32 wrap-around (-1.47e8)
