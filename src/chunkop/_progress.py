@@ -1,41 +1,85 @@
 """Progress reports from inside a compiled chunk loop.
 
-``progress=True`` (or a callable ``progress(k, n)``) on a chunked transform makes every chunk
-report ``k`` (chunks done, 1-based) out of ``n`` (chunks in the loop: the scan's full chunks
-plus the remainder chunk, if any) to the host while the compiled program runs. The report is a
-``jax.debug.callback`` placed in the scan body *after* the chunk (it takes a one-element slice
-of the chunk's output, so XLA cannot run it before the chunk is computed) and *outside* the
-chunk's ``jax.checkpoint``, so under ``grad`` the forward loop reports and the recomputation in
-the backward loop does not. The chunk computation itself is unchanged; with ``progress``
-off nothing is added at all and the compiled program is the one without this module.
+``progress=True`` (or a callable ``progress(k, n)``) on a chunked transform reports ``k``
+(chunks done) out of ``n`` (chunks in the loop: the scan's full chunks plus the remainder chunk,
+if any) to the host while the compiled program runs.
 
-The callback is *ordered* (``ordered=True``): without it XLA may run the remainder chunk, which
-does not depend on the scan, and its report before the scan's. It reports the absolute count
-``k``, not an increment: under ``jax.vmap`` of a chunked function the callback runs once per
-batch element with the same ``k``, and a count is idempotent. Reports are asynchronous
-(``jax.effects_barrier()`` waits for them).
+**Where the reports come from.** Every chunk's output passes through a tap (the
+``chunkop_progress`` primitive below, placed in the scan body *outside* the chunk's
+``jax.checkpoint``). In the forward loop the tap reports after the chunk: its host callback takes
+a one-element slice of the chunk's output, and the output is tied to the callback's result (an
+``optimization_barrier``), so the callback runs after the chunk and before anything that uses
+the chunk's output. The callback is *pure*: when nothing uses the loop's output, the tap is
+removed with it. This matters under ``jit(grad)``: the backward loop recomputes every chunk, so
+the forward loop's values are dead and XLA drops the whole forward loop; a report there would
+force it to run (about a third more work). Instead the tap's derivative is an identity whose
+*transpose* reports: the backward loop reports as each chunk's backward pass starts (the only
+thing it can wait for is the cotangent of the chunk's output, so its last report comes one
+chunk before the loop ends). The recomputation inside the checkpoint does not report. Forward
+mode (``jvp``) reports from the forward loop only.
 
-``progress=True`` shows a ``tqdm`` bar on stderr when tqdm is installed (an optional
-dependency) and otherwise a plain ``\\r{desc}: k/n chunks`` line on stderr.
+**How often.** A loop of ``n_full`` full chunks reports its first and last full chunk, every
+``stride``-th one in between (``stride = ceil(n_full / MAX_REPORTS)``, so at most about
+``MAX_REPORTS`` host callbacks per loop, whatever the chunk count: a callback costs about
+0.1-0.4 ms of CPU time), and the remainder chunk. The choice is a ``lax.cond`` in the loop: the
+skipped chunks make no callback at all.
+
+**The host side.** The callbacks are unordered (ordered effects cost a token through the loop
+and are refused on more than one device), so the host makes sense of them: each report names
+its chunk (the remainder is chunk ``n_full + 1``) and, inside ``shard_map`` (sharded inputs),
+its shard (``lax.axis_index`` over the manual mesh axes): every device runs its own loop over
+its shard. Per direction (forward / backward) a run's progress is the fewest chunks done on any
+shard (forward: the highest full chunk reported plus the remainder; backward: the full chunks
+started, counted from the last, plus the remainder), and ``progress(k, n)`` is called when it
+grows, so a callable sees each run as ``k`` increasing to ``n``. A run ends at ``k == n``; a
+chunk that goes back (a full chunk at or below one already reported on that shard, or a second
+remainder) starts a new run (a fresh call of the same compiled loop). Under ``jax.vmap`` of a
+chunked function the tap is batched, not repeated: one report per chunk. A forward and a
+backward loop in one program (``value_and_grad``) are two runs. Reports are made while the
+program runs; by the time its outputs are ready they are all made.
+
+``progress=True`` shows a ``tqdm`` bar on stderr when tqdm is installed and stderr is a terminal
+(or tqdm.auto picks its notebook widget); otherwise plain lines: ``\\r{desc}: k/n chunks``
+rewritten in place on a terminal, and on anything else (a log file, a pipe) one
+``{desc}: k/n chunks`` line per report, at most one every ``min_interval`` seconds plus the
+final one.
 
 For a chunk loop of its own (e.g. ``RowOperator``'s kernels), a caller makes
 ``hook = progress_hook(plan, progress)`` and wraps the scan with ``hook.scan(xs, body)`` and the
-remainder chunk's output with ``hook.remainder(out)``; both are identities when it is off.
+remainder chunk's output with ``hook.remainder(out)``; both are identities when it is off, so
+with progress off nothing is added to the program.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Progress", "ProgressBar", "ProgressHook", "check_progress", "n_chunks", "progress_hook"]
+__all__ = [
+    "MAX_REPORTS",
+    "Progress",
+    "ProgressBar",
+    "ProgressHook",
+    "check_progress",
+    "n_chunks",
+    "progress_hook",
+    "report_stride",
+]
 
 Progress = bool | Callable[[int, int], Any] | None
+
+MAX_REPORTS = 20
+"""About how many full chunks of one loop report (see :func:`report_stride`)."""
 
 
 def check_progress(progress: Any, where: str) -> Progress:
@@ -53,30 +97,62 @@ def n_chunks(plan: Any) -> int:
     return plan.n_full + (1 if plan.rem else 0)
 
 
+def report_stride(n_full: int, max_reports: int = MAX_REPORTS) -> int:
+    """Every how many full chunks one reports: full chunks ``1``, ``n_full`` and the multiples
+    of the stride report, at most ``max_reports + 2`` of them.
+
+    Example:
+        >>> report_stride(10), report_stride(200), report_stride(1000)
+        (1, 10, 50)
+    """
+    return max(1, math.ceil(n_full / max_reports))
+
+
+# -- the host side --------------------------------------------------------------------------------
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except Exception:  # noqa: BLE001  (closed or exotic streams)
+        return False
+
+
 class ProgressBar:
-    """The host side of ``progress=True``: a tqdm bar (or a plain stderr line) driven by counts.
+    """The host side of ``progress=True``: a bar driven by counts.
 
     ``update(k, n)`` moves the bar to ``k`` of ``n``; a ``k`` lower than the last one starts a new
-    bar (the same compiled loop called again); a repeated ``k`` is ignored (``vmap`` of a chunked
-    function reports every chunk once per batch element); ``k == n`` closes the bar.
+    bar (the same compiled loop called again), a repeated ``(k, n)`` is ignored, and ``k >= n``
+    closes the bar (the next update opens a new one).
+
+    The bar is tqdm's when tqdm is installed and ``file`` is a terminal (or tqdm.auto is its
+    notebook widget); otherwise a plain ``\\r{desc}: k/n chunks`` line rewritten in place on a
+    terminal (its first and last count, and at most one every ``min_interval / 10`` s between),
+    and on anything else one
+    ``{desc}: k/n chunks`` line per update at most every ``min_interval`` seconds, the final
+    update (``k == n``) always.
     """
 
-    def __init__(self, desc: str, file: Any = None) -> None:
+    def __init__(self, desc: str, file: Any = None, min_interval: float = 1.0) -> None:
         self.desc = desc
         self.file = file
+        self.min_interval = min_interval
         self._bar: Any = None
-        self._plain_open = False
+        self._open = False
+        self._tty = False
         self._last = 0
         self._n = 0
+        self._written = -math.inf  # when the last plain line was written
+        self._pending: str | None = None  # a throttled \r line not written yet
         self._lock = threading.Lock()
 
     def update(self, k: int, n: int) -> None:
         with self._lock:
             if k == self._last and n == self._n:
                 return
-            if (self._bar is None and not self._plain_open) or k < self._last or n != self._n:
+            if not self._open or k < self._last or n != self._n:
                 self._close()
-                self._open(n)
+                self._start(n)
             self._advance(k, n)
             self._last, self._n = k, n
             if k >= n:
@@ -85,83 +161,292 @@ class ProgressBar:
     def _stream(self) -> Any:
         return self.file if self.file is not None else sys.stderr
 
-    def _open(self, n: int) -> None:
+    def _start(self, n: int) -> None:
+        self._open = True
+        self._pending = None  # (None: nothing written in this run yet)
+        self._tty = _is_tty(self._stream())
         try:
+            from tqdm import std
             from tqdm.auto import tqdm
         except ImportError:
-            self._plain_open = True
             return
-        self._bar = tqdm(total=n, desc=self.desc, unit="chunk", file=self._stream(), leave=True)
+        if self._tty or tqdm is not std.tqdm:
+            self._bar = tqdm(total=n, desc=self.desc, unit="chunk", file=self._stream(), leave=True)
 
     def _advance(self, k: int, n: int) -> None:
         if self._bar is not None:
             self._bar.update(k - self._bar.n)
-        else:
-            self._stream().write(f"\r{self.desc}: {k}/{n} chunks")
-            self._stream().flush()
+            return
+        now = time.monotonic()
+        final = k >= n
+        interval = self.min_interval / 10 if self._tty else self.min_interval
+        if self._tty:
+            line = f"\r{self.desc}: {k}/{n} chunks"
+            if final or self._pending is None or now - self._written >= interval:
+                self._write(line + ("\n" if final else ""))
+                self._written, self._pending = now, ""
+            else:
+                self._pending = line
+        elif final or now - self._written >= interval:
+            self._write(f"{self.desc}: {k}/{n} chunks\n")
+            self._written = now
+
+    def _write(self, text: str) -> None:
+        stream = self._stream()
+        stream.write(text)
+        stream.flush()
 
     def _close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self._plain_open:
-            self._stream().write("\n")
-            self._stream().flush()
-            self._plain_open = False
+        elif self._open and self._tty and self._last < self._n:  # an unfinished \r line
+            self._write((self._pending or "") + "\n")
+        self._pending = None
+        self._open = False
 
 
-def _reporter(progress: Progress, desc: str) -> Callable[[int, int], Any] | None:
+class _Run:
+    """What one direction (forward or backward) of one chunk loop has reported so far."""
+
+    def __init__(self, n_full: int, rem: bool, n_shards: int, backward: bool, sink: Callable[[int, int], Any]):
+        self.n_full, self.rem, self.n_shards, self.backward, self.sink = n_full, rem, n_shards, backward, sink
+        self.n = n_full + int(rem)
+        self._lock = threading.Lock()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.scan: dict[int, int] = {}  # shard -> highest (forward) / lowest (backward) full chunk
+        self.rem_seen: set[int] = set()
+        self.emitted = 0
+
+    def _done(self, shard: int) -> int:
+        if shard in self.scan:
+            i = self.scan[shard]
+            full = self.n_full - i + 1 if self.backward else i
+        else:
+            full = 0
+        return full + (shard in self.rem_seen)
+
+    def receive(self, chunk: int, shard: int) -> None:
+        """Chunk ``chunk`` (1-based; ``n_full + 1``: the remainder) was reported on ``shard``."""
+        with self._lock:
+            calls = self._receive(chunk, shard)
+        for k in calls:  # outside the lock: the sink may be slow or re-entrant
+            self.sink(k, self.n)
+
+    def _receive(self, chunk: int, shard: int) -> list[int]:
+        if self.n_shards > 1 and self._done(shard) == self.n:
+            return []  # this shard already finished the run: the others have not (see below)
+        if chunk > self.n_full:
+            if shard in self.rem_seen:
+                return []  # a repeated remainder (the next run's will follow its full chunks' reset)
+            self.rem_seen.add(shard)
+        else:
+            last = self.scan.get(shard)
+            if last == chunk:
+                return []  # a repeat
+            if last is not None and (chunk < last) != self.backward:  # went back: a new call
+                self._reset()
+            self.scan[shard] = chunk
+        k = min(self._done(s) for s in range(self.n_shards))
+        if k <= self.emitted:
+            return []
+        self.emitted = k
+        if k >= self.n:
+            self._reset()
+        return [k]
+
+
+class _Loop:
+    """The host-side state of one traced chunk loop: a :class:`_Run` per direction."""
+
+    def __init__(self, n_full: int, rem: bool, n_shards: int, sinks: tuple) -> None:
+        self.n_full, self.rem, self.n_shards = n_full, rem, n_shards
+        self.runs = (_Run(n_full, rem, n_shards, False, sinks[0]), _Run(n_full, rem, n_shards, True, sinks[1]))
+        self.stride = report_stride(n_full)
+
+    def __repr__(self) -> str:
+        return f"ProgressLoop(n_full={self.n_full}, rem={self.rem}, n_shards={self.n_shards})"
+
+
+def _sinks(progress: Progress, desc: str) -> tuple | None:
     if progress is None or progress is False:
         return None
     if progress is True:
-        return ProgressBar(desc).update
-    return progress
+        return (ProgressBar(desc).update, ProgressBar(f"{desc} (backward)").update)
+    return (progress, progress)
 
 
-def _report(report: Callable[[int, int], Any], k: Any, n: int, out: Any) -> None:
-    """Emit ``report(k, n)`` once ``out`` (a pytree) is computed."""
-    leaves = [x for x in jax.tree_util.tree_leaves(out) if hasattr(x, "size") and x.size > 0]
-    after = jnp.ravel(leaves[0])[:1] if leaves else jnp.zeros((0,))  # a data dependence on the chunk
+# -- the tap: an identity on a chunk's output that reports ----------------------------------------
 
-    def host(k: Any, _after: Any) -> None:
-        report(int(k), n)
+_tap_p = Primitive("chunkop_progress")
+_tap_p.multiple_results = True
 
-    jax.debug.callback(host, k, after, ordered=True)
+
+def _tap(xs: list, k: Any, shard: Any, *, loop: _Loop, backward: bool, silent: bool) -> list:
+    return _tap_p.bind(*xs, k, shard, loop=loop, backward=backward, silent=silent)
+
+
+def _host(loop: _Loop, backward: bool) -> Callable:
+    def host(k: Any, shard: Any, _after: Any) -> np.ndarray:
+        loop.runs[backward].receive(int(np.max(k)), int(np.max(shard)))
+        return np.zeros((), np.int32)
+
+    return host
+
+
+def _tap_impl(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
+    *xs, k, shard = args
+    if not silent:
+        _host(loop, backward)(np.asarray(k), np.asarray(shard), None)
+    return list(xs)
+
+
+def _tap_abstract_eval(*avals: Any, **params: Any) -> list:
+    return list(avals[:-2])
+
+
+def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
+    *xs, k, shard = args
+    if silent:
+        return list(xs)
+    sized = [x for x in xs if x.size > 0]
+    after = jnp.ravel(sized[0])[:1] if sized else jnp.zeros((0,), jnp.float32)  # waits for the chunk
+    host = _host(loop, backward)
+    chosen = (k == 1) | (k >= loop.n_full) | (k % loop.stride == 0)
+
+    def report(k: Any, shard: Any, after: Any) -> Any:
+        return jax.pure_callback(
+            host, jax.ShapeDtypeStruct((), jnp.int32), k, shard, after, vmap_method="broadcast_all"
+        )
+
+    done = jax.lax.cond(chosen, report, lambda *_: jnp.zeros((), jnp.int32), k, shard, after)
+    return _tie(list(xs), done)
+
+
+def _tie(xs: list, done: Any) -> list:
+    """``xs`` unchanged, but (for XLA) computed from ``done`` (always 0), so the report is made
+    whenever the outputs are used and before they are. The first element of the first non-empty
+    ``x`` is rewritten with a select on ``done`` (one element; an ``optimization_barrier`` is not
+    enough: XLA prunes its unused operands)."""
+    for i, x in enumerate(xs):
+        if x.size > 0:
+            first = jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
+            kept = jnp.where(done == 0, first, jnp.ones_like(first))
+            xs[i] = jax.lax.dynamic_update_slice(x, kept, (jnp.zeros((), jnp.int32),) * x.ndim)
+            break
+    return xs
+
+
+def _tap_jvp(primals: tuple, tangents: tuple, *, loop: _Loop, backward: bool, silent: bool) -> tuple:
+    *xs, k, shard = primals
+    out = _tap(xs, k, shard, loop=loop, backward=backward, silent=silent)
+    ts = tangents[: len(xs)]
+    if all(type(t) is ad.Zero for t in ts):
+        return out, list(ts)
+    ts = [ad.instantiate_zeros(t) for t in ts]
+    # the tangent goes through a silent tap, whose transpose (the backward loop) reports
+    return out, _tap(ts, k, shard, loop=loop, backward=backward, silent=True)
+
+
+def _tap_transpose(cts: list, *args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
+    k, shard = args[-2:]
+    if all(type(c) is ad.Zero for c in cts):
+        return [*cts, None, None]
+    cts = [ad.instantiate_zeros(c) for c in cts]
+    return [*_tap(cts, k, shard, loop=loop, backward=not backward, silent=False), None, None]
+
+
+def _tap_batch(args: tuple, dims: tuple, **params: Any) -> tuple:
+    *xs, k, shard = args
+    *xdims, kdim, sdim = dims
+    if kdim is not None:  # (chunk counts are never batched in chunkop's loops; be safe anyway)
+        k = jnp.max(k, axis=kdim)
+    if sdim is not None:
+        shard = jnp.max(shard, axis=sdim)
+    return _tap(list(xs), k, shard, **params), list(xdims)
+
+
+_tap_p.def_impl(_tap_impl)
+_tap_p.def_abstract_eval(_tap_abstract_eval)
+mlir.register_lowering(_tap_p, mlir.lower_fun(_tap_lowered, multiple_results=True))
+ad.primitive_jvps[_tap_p] = _tap_jvp
+ad.primitive_transposes[_tap_p] = _tap_transpose
+batching.primitive_batchers[_tap_p] = _tap_batch
+
+
+def _nothing() -> None:
+    return None
+
+
+def _shard() -> tuple[Any, int]:
+    """This device's index over the manual mesh axes (inside ``shard_map``) and their size."""
+    try:
+        mesh = jax.sharding.get_abstract_mesh()
+        names = tuple(getattr(mesh, "manual_axes", ()) or ())
+    except Exception:  # noqa: BLE001
+        names = ()
+    if not names:
+        return jnp.int32(0), 1
+    return jax.lax.axis_index(names).astype(jnp.int32), math.prod(int(mesh.shape[a]) for a in names)
+
+
+def _report(loop: _Loop, k: Any, out: Any) -> Any:
+    """``out`` (a pytree) passed through the tap with chunk number ``k``."""
+    leaves, tree = jax.tree_util.tree_flatten(out)
+    arrays = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    floats = [i for i in arrays if jnp.issubdtype(jnp.result_type(leaves[i]), jnp.inexact)]
+    idx = floats or arrays[:1]
+    if not idx:
+        return out
+    shard, _ = _shard()
+    tapped = _tap([leaves[i] for i in idx], jnp.asarray(k, jnp.int32), shard, loop=loop, backward=False, silent=False)
+    for i, t in zip(idx, tapped):
+        leaves[i] = t
+    return jax.tree_util.tree_unflatten(tree, leaves)
 
 
 class ProgressHook:
     """Progress reports for one chunk loop (see :func:`progress_hook`)."""
 
-    def __init__(self, plan: Any, report: Callable[[int, int], Any] | None) -> None:
+    def __init__(self, plan: Any, sinks: tuple | None) -> None:
         self.plan = plan
-        self.report = report
+        self.sinks = sinks
+        self._loop: _Loop | None = None
+
+    def _state(self) -> _Loop:
+        if self._loop is None:
+            _, n_shards = _shard()
+            self._loop = _Loop(self.plan.n_full, bool(self.plan.rem), n_shards, self.sinks)
+        return self._loop
 
     def scan(self, xs: Any, full_fn: Callable[[Any], Any]) -> tuple[Any, Callable[[Any], Any]]:
         """The scan's ``(xs, full_fn)`` with a report after each full chunk.
 
         Unchanged when progress is off. Otherwise ``xs`` becomes ``(xs, counts)`` with
-        ``counts = 1..plan.n_full`` and the body reports ``(count, n_chunks(plan))`` once
-        ``full_fn(item)`` is computed.
+        ``counts = 1..plan.n_full`` and the body passes ``full_fn(item)`` through the tap.
         """
-        if self.report is None:
+        if self.sinks is None:
             return xs, full_fn
-        report, n = self.report, n_chunks(self.plan)
+        loop = self._state()
         counts = jnp.arange(1, self.plan.n_full + 1, dtype=jnp.int32)
+        # One unordered, operand-free effect per loop: it keeps nothing alive (the forward loop
+        # can still be dropped under grad), but makes ``jax.effects_barrier()`` wait for the
+        # program, hence for its reports (made by pure callbacks, which it does not track).
+        jax.debug.callback(_nothing, ordered=False)
 
         def reported(item: tuple) -> Any:
             inner, k = item
-            out = full_fn(inner)
-            _report(report, k, n, out)
-            return out
+            return _report(loop, k, full_fn(inner))
 
         return (xs, counts), reported
 
     def remainder(self, out: Any) -> Any:
-        """``out`` (the remainder chunk's output), reporting the last chunk once it is computed."""
-        if self.report is not None and self.plan.rem:
-            n = n_chunks(self.plan)
-            _report(self.report, jnp.int32(n), n, out)
-        return out
+        """``out`` (the remainder chunk's output) passed through the tap as chunk ``n_full + 1``."""
+        if self.sinks is None or not self.plan.rem:
+            return out
+        return _report(self._state(), self.plan.n_full + 1, out)
 
 
 def progress_hook(plan: Any, progress: Progress, desc: str = "chunkop") -> ProgressHook:
@@ -178,7 +463,7 @@ def progress_hook(plan: Any, progress: Progress, desc: str = "chunkop") -> Progr
         >>> xs, body = hook.scan(jnp.ones((2, 4)), lambda chunk: chunk.sum())
         >>> sums = jax.lax.scan(lambda c, item: (c, body(item)), 0, xs)[1]
         >>> rest = hook.remainder(jnp.ones(2).sum())
-        >>> jax.effects_barrier(); seen
+        >>> seen
         [(1, 3), (2, 3), (3, 3)]
     """
-    return ProgressHook(plan, _reporter(progress, desc))
+    return ProgressHook(plan, _sinks(progress, desc))
