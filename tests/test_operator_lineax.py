@@ -109,6 +109,64 @@ def test_normal_cg_matches_lstsq():
     np.testing.assert_allclose(sol.value, X_LSTSQ, rtol=1e-3, atol=1e-4)
 
 
+def test_normal_operator_matches_numpy():
+    """``A.normal(damping)``: ``A^T A + damping I``, tagged for CG; its solves match NumPy's."""
+    Mt = M.T @ M
+    for damping in (0.0, LAM):
+        normal = A.normal(damping)
+        assert lx.is_positive_semidefinite(normal) and lx.is_symmetric(normal)
+        assert normal.in_structure() == normal.out_structure() == A.in_structure()
+        np.testing.assert_allclose(normal.as_matrix(), Mt + damping * np.eye(NPIX * K), rtol=1e-4, atol=1e-4)
+    solve = jax.jit(lambda A, b, d: lx.linear_solve(A.normal(d), A.T.mv(b), lx.CG(rtol=1e-6, atol=1e-6)).value)
+    np.testing.assert_allclose(solve(A, B, 0.0), X_LSTSQ, rtol=1e-3, atol=1e-4)
+    expected = np.linalg.solve(Mt + LAM * np.eye(NPIX * K), M.T @ np.asarray(B, np.float64))
+    np.testing.assert_allclose(solve(A, B, LAM), expected.reshape(NPIX, K), rtol=1e-3, atol=1e-4)  # traced damping
+
+
+def test_normal_operator_wide_gives_the_minimum_norm_solution():
+    """Fewer rows than unknowns: CG on ``A.normal()`` from zero, like ``lx.Normal``, gives lstsq's
+    minimum-norm solution."""
+    rows = make_rows(n=8, seed=3)
+    Aw = make_op(rows)
+    Mw = np.asarray(dense(los_row, rows, STRUCT), np.float64)
+    assert Mw.shape == (8, NPIX * K) and np.linalg.cond(Mw) < 100
+    b = np.random.default_rng(4).normal(size=8)
+    ref = np.linalg.lstsq(Mw, b, rcond=None)[0].reshape(NPIX, K)
+    cg = lx.CG(rtol=1e-6, atol=1e-6, max_steps=200)
+    x = lx.linear_solve(Aw.normal(), Aw.T.mv(jnp.asarray(b, jnp.float32)), cg).value
+    np.testing.assert_allclose(x, ref, rtol=1e-3, atol=1e-4)
+    x = lx.linear_solve(Aw, jnp.asarray(b, jnp.float32), lx.Normal(cg)).value
+    np.testing.assert_allclose(x, ref, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("damping", [-1.0, [1.0, 2.0], 1j, float("nan")])
+def test_normal_operator_rejects_bad_damping(damping):
+    with pytest.raises(ValueError, match="`damping` must be a non-negative real scalar"):
+        A.normal(damping)
+
+
+def test_structures_compose_with_lineax_without_a_mesh():
+    """Structures as lineax normalises them (no sharding without a mesh): operator algebra works."""
+    assert lx.IdentityLinearOperator(A.in_structure()).in_structure() == A.in_structure()
+    assert lx.IdentityLinearOperator(A.out_structure()).in_structure() == A.out_structure()
+    assert all(s.sharding is None for s in jax.tree_util.tree_leaves((A.in_structure(), A.out_structure())))
+    x = _rand(NPIX, K, seed=6)
+    damped = A.T @ A + LAM * lx.IdentityLinearOperator(A.in_structure())
+    expected = (M.T @ M + LAM * np.eye(NPIX * K)) @ np.asarray(x, np.float64).reshape(-1)
+    np.testing.assert_allclose(damped.mv(x).reshape(-1), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_out_sharding_argument():
+    """``out_sharding`` only matters for rows sharded over an Explicit mesh (see
+    tests/test_lineax_mesh.py); here it changes nothing, and other values are refused."""
+    R = make_op(out_sharding="replicated")
+    x = _rand(NPIX, K, seed=7)
+    np.testing.assert_allclose(R.mv(x), A.mv(x), rtol=1e-6)
+    assert R.out_structure() == A.out_structure()
+    with pytest.raises(ValueError, match="`out_sharding` must be"):
+        make_op(out_sharding="sharded")
+
+
 def test_gradient_of_a_solve_wrt_rows_and_data():
     """Implicit differentiation through lineax's CG: lineax differentiates ``A.mv`` w.r.t. ``rows``."""
 
