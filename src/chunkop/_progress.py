@@ -339,23 +339,38 @@ def _tie(xs: list, done: Any) -> list:
     return xs
 
 
+def _tap_some(vals: list, use: list, k: Any, shard: Any, **params: Any) -> list:
+    """``vals`` with those where ``use`` is true passed through one tap (symbolic zeros
+    instantiated); the others unchanged. No tap at all when none is used."""
+    idx = [i for i, u in enumerate(use) if u]
+    if not idx:
+        return list(vals)
+    out = list(vals)
+    for i, t in zip(idx, _tap([ad.instantiate_zeros(vals[i]) for i in idx], k, shard, **params)):
+        out[i] = t
+    return out
+
+
+def _is_float(x: Any) -> bool:
+    aval = x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
 def _tap_jvp(primals: tuple, tangents: tuple, *, loop: _Loop, backward: bool, silent: bool) -> tuple:
     *xs, k, shard = primals
     out = _tap(xs, k, shard, loop=loop, backward=backward, silent=silent)
-    ts = tangents[: len(xs)]
-    if all(type(t) is ad.Zero for t in ts):
-        return out, list(ts)
-    ts = [ad.instantiate_zeros(t) for t in ts]
-    # the tangent goes through a silent tap, whose transpose (the backward loop) reports
-    return out, _tap(ts, k, shard, loop=loop, backward=backward, silent=True)
+    ts = list(tangents[: len(xs)])
+    use = [type(t) is not ad.Zero and _is_float(x) for t, x in zip(ts, xs)]
+    # the tangent goes through a silent tap, whose transpose (in a backward loop) reports
+    return out, _tap_some(ts, use, k, shard, loop=loop, backward=backward, silent=True)
 
 
 def _tap_transpose(cts: list, *args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
-    k, shard = args[-2:]
-    if all(type(c) is ad.Zero for c in cts):
-        return [*cts, None, None]
-    cts = [ad.instantiate_zeros(c) for c in cts]
-    return [*_tap(cts, k, shard, loop=loop, backward=not backward, silent=False), None, None]
+    *xs, k, shard = args
+    linear = [ad.is_undefined_primal(x) for x in xs]
+    use = [lin and type(c) is not ad.Zero and _is_float(x) for lin, c, x in zip(linear, cts, xs)]
+    out = _tap_some(list(cts), use, k, shard, loop=loop, backward=not backward, silent=False)
+    return [c if lin else None for c, lin in zip(out, linear)] + [None, None]
 
 
 def _tap_batch(args: tuple, dims: tuple, **params: Any) -> tuple:
