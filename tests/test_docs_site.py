@@ -54,7 +54,8 @@ def _letters(s: str) -> str:
 
 
 def test_every_page_is_built(site):
-    for page in ("index.html", "guide/index.html", "design/index.html", "nifty/index.html", "api/index.html"):
+    pages = ("index.html", "guide/index.html", "cookbook/index.html", "design/index.html", "nifty/index.html")
+    for page in (*pages, "api/index.html"):
         assert (site / page).is_file(), page
 
 
