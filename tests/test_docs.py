@@ -3,7 +3,8 @@ entry for every public name (the site renders it from the docstrings, see tests/
 and every docstring example of the public API passes doctest.
 
 Markdown snippets run file by file, in order, in one fresh namespace per file (a block may use
-names defined by an earlier block of the same file). Code that is not meant to run must use
+names defined by an earlier block of the same file); docs/cookbook.md's blocks run in
+tests/test_cookbook.py instead (timed, and not twice). Code that is not meant to run must use
 another fence language (```text, ```bash, ```pycon). A file whose blocks need an optional
 dependency says so on a line ``<!-- requires: module -->``; its blocks are skipped when the module
 is not installed.
@@ -27,6 +28,7 @@ _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOT
 _OPENING = re.compile(r"^[ \t]*```+[ \t]*python\b", re.MULTILINE)
 _REQUIRES = re.compile(r"^<!-- requires: ([\w.]+) -->$", re.MULTILINE)
 PUBLIC = [name for name in chunkop.__all__ if name != "__version__"]
+RUN_ELSEWHERE = {"cookbook.md"}  # tests/test_cookbook.py
 
 
 def python_blocks(path: Path) -> list[tuple[int, str]]:
@@ -56,7 +58,7 @@ def test_every_python_fence_is_extracted(path):
     )
 
 
-@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in MARKDOWN if p.name not in RUN_ELSEWHERE], ids=lambda p: p.name)
 def test_markdown_python_blocks_run(path):
     for module in _REQUIRES.findall(path.read_text()):
         pytest.importorskip(module)
@@ -64,6 +66,29 @@ def test_markdown_python_blocks_run(path):
     for line, code in python_blocks(path):
         # Pad with newlines so that tracebacks point at the line of the .md file.
         exec(compile("\n" * line + code, str(path), "exec"), namespace)
+
+
+_PRIVATE = re.compile(r"\bchunkop\._(?!_)\w+")  # chunkop.__all__ / __version__ are public
+# Pages that still point users at private names; remove an entry once its page is fixed (the
+# xfail is strict, so a fixed page fails here until its entry goes).
+_PRIVATE_PENDING = {"scaling.md": "names chunkop._budget.CPU_TEMP_CAP / DEFAULT_FRACTION (no public setting yet)"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_PRIVATE_PENDING[p.name]))
+        if p.name in _PRIVATE_PENDING
+        else p
+        for p in MARKDOWN
+    ],
+    ids=lambda p: p.name,
+)
+def test_docs_name_only_public_api(path):
+    """Users are pointed at ``chunkop.<public name>`` only: no ``chunkop._module.NAME``, no
+    ``from chunkop._module import``. (The design note may name source files, ``_cache.py``.)"""
+    found = sorted(set(_PRIVATE.findall(path.read_text())))
+    assert not found, f"{path.name} names private chunkop internals: {found}"
 
 
 # ------------------------------------------------------------------------------------------------
