@@ -225,6 +225,11 @@ def test_doctest_fences():
     assert convert("a >>> b\n>>>x") == "a >>> b\n>>>x"  # not a prompt: mid-line, or no space after
 
 
+def test_roles_extension_knows_every_public_name():
+    """A role naming a public object becomes a cross-reference only if the extension lists it."""
+    assert set(PUBLIC) == _extension()._PUBLIC
+
+
 def test_roles_extension():
     convert = _extension().roles_to_markdown
     assert convert("see :func:`chunkop.vmap`.") == "see [`chunkop.vmap`][chunkop.vmap]."
