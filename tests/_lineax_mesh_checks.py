@@ -124,6 +124,24 @@ def structures_as_lineax_normalises():
 
 
 @check
+def unsharded_operator_under_an_explicit_mesh():
+    # rows not sharded, used inside jax.set_mesh of an Explicit mesh: vectors made there are
+    # typed replicated on that mesh, and so are the operator's structures (as lineax compares)
+    rows, M, _, b_np = TALL
+    struct = jax.ShapeDtypeStruct((M.shape[1],), jnp.float32)
+    A = chunkop.RowOperator(row_fn, {k: jnp.asarray(v) for k, v in rows.items()}, struct, chunk_size=4)
+    assert A.in_structure().sharding is None  # no mesh: none
+    with jax.set_mesh(mesh_of("explicit", 4)):
+        b = jnp.asarray(b_np, jnp.float32)
+        assert jax.eval_shape(lambda: b) == A.out_structure(), (jax.eval_shape(lambda: b), A.out_structure())
+        assert lx.IdentityLinearOperator(A.in_structure()).in_structure() == A.in_structure()
+        x = solve(A, b, lx.Normal(CG))
+        close(x, np.linalg.lstsq(M, b_np, rcond=None)[0], 1e-3, 1e-3)
+        damped = A.T @ A + LAM * lx.IdentityLinearOperator(A.in_structure())
+        close(damped.mv(x), (M.T @ M + LAM * np.eye(M.shape[1])) @ np.asarray(x, np.float64), 1e-4, 1e-4)
+
+
+@check
 def operator_algebra():
     _, M, _, _ = WIDE
     rng = np.random.default_rng(5)
@@ -157,6 +175,10 @@ def operator_algebra():
 
 CG = lx.CG(rtol=1e-6, atol=1e-6, max_steps=500)
 LSMR = lx.LSMR(rtol=1e-6, atol=1e-6)
+
+
+def solve(A, b, solver):
+    return jax.jit(lambda A, b: lx.linear_solve(A, b, solver, throw=False).value)(A, b)
 
 
 def solves(A, b, damping, *solvers):

@@ -9,6 +9,8 @@ the rows (the dense matrix by ``np.add.at``; ``np.linalg.lstsq`` / ``solve`` in 
 - the operator's structures are written as lineax normalises them, and are the types of the
   vectors it returns, so ``A.T @ A + lam * lx.IdentityLinearOperator(A.in_structure())``,
   ``A @ A.T``, ``2 * A - A`` and ``A.normal(lam)`` compose (eagerly and under ``jit``);
+- an operator with unsharded rows used under ``jax.set_mesh`` of an Explicit mesh: its
+  structures are typed replicated on that mesh, like the vectors made there (a solve, algebra);
 - solves under ``jit``: CG on ``A.normal()`` for a wide operator (the minimum-norm solution)
   on every mesh, ``lx.Normal(lx.CG)`` and ``lx.LSMR`` with ``out_sharding="replicated"`` on
   Explicit meshes (and with row-sharded vectors on Auto), ``lx.Normal`` and damped normal
@@ -33,6 +35,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("_lineax_mesh_checks.py")
 NAMES = [
     "structures_as_lineax_normalises",
+    "unsharded_operator_under_an_explicit_mesh",
     "operator_algebra",
     "solves_wide_and_tall",
     "replicated_out_collectives_and_grad",
