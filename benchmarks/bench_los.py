@@ -2,13 +2,19 @@
 
 Usage::
 
-    python benchmarks/bench_los.py            # full run (about 5-8 minutes on a 2-core CPU)
-    python benchmarks/bench_los.py --quick    # smoke run (about a minute)
+    python benchmarks/bench_los.py            # full run, both weight forms (about 10-16 minutes on a 2-core CPU)
+    python benchmarks/bench_los.py --quick    # smoke run (about two minutes)
+    python benchmarks/bench_los.py --forms literal   # one weight form only
     python benchmarks/bench_los.py --out DIR  # write los.json, los.md, los_memory.png, los_time.png under DIR
 
 Workload (examples/astro_los/los.py): a sky of ``20000 x 256`` (pixels x radial bins, edges
 ``geomspace(40, 1700, 257)``) seen by ``n_los`` lines, ``y_l = w(d_l, s_l) . sky[pix_l]`` with
-``w = -diff(exp(-(d - b) / (d s b)))`` (evaluated cancellation-free). Four operations:
+``w = -diff(exp(-(d - b) / (d s b)))``, in two forms (``--forms``, both by default):
+
+* ``literal``: the users' own expression, ``-jnp.diff(jnp.exp(...))`` (``los.los_weights_naive``);
+* ``expm1``: the cancellation-free rewrite of ``examples/astro_los/los.py`` (``los.los_weights``).
+
+Four operations:
 
 * ``matvec``: ``A x``;
 * ``transpose``: ``A^T y`` (each method's native transpose, else ``jax.linear_transpose`` or
@@ -19,7 +25,8 @@ Workload (examples/astro_los/los.py): a sky of ``20000 x 256`` (pixels x radial 
 Methods (chunked ones use ``--chunk`` lines per chunk):
 
 * ``chunkop``: ``chunkop.RowOperator`` (``A.mv``, ``A.T.mv``, autodiff through its custom_jvp);
-* ``jax.vmap``: the unchunked formulation, ``jax.vmap(row_fn)`` over all lines;
+* ``jax.vmap``: plain unchunked JAX, the reference: ``jax.vmap(row_fn)`` over all lines, its
+  ``jax.linear_transpose``, and ``jax.grad`` / hvp of the unchunked loss;
 * ``lax.map``: ``jax.lax.map(row_fn, rows, batch_size=chunk)``;
 * ``custom_vjp``: a hand-written chunked ``jax.custom_vjp`` (the users' approach: a chunked
   forward scan and a chunked scatter-add backward scan);
@@ -74,14 +81,20 @@ def log(msg: str) -> None:
 # The methods: each builds ``ops[name](args...)`` functions for one (n_los) configuration.
 
 
+FORMS = ("literal", "expm1")
+
+
 class Workload:
-    def __init__(self, n_pix: int, n_bins: int, chunk: int):
-        self.n_pix, self.n_bins, self.chunk = n_pix, n_bins, chunk
+    def __init__(self, n_pix: int, n_bins: int, chunk: int, form: str = "expm1"):
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {FORMS}, got {form!r}")
+        self.n_pix, self.n_bins, self.chunk, self.form = n_pix, n_bins, chunk, form
         self.edges = los.bin_edges(n_bins)
         self.x_struct = jax.ShapeDtypeStruct((n_pix, n_bins), jnp.float32)
+        self.weights = los.los_weights_naive if form == "literal" else los.los_weights
 
     def row_fn(self, row: dict, x: jax.Array) -> jax.Array:
-        return jnp.dot(los.los_weights(row["d"], row["s"], self.edges), x[row["pix"]])
+        return jnp.dot(self.weights(row["d"], row["s"], self.edges), x[row["pix"]])
 
     def data(self, n_los: int, seed: int = 0) -> dict:
         rng = np.random.default_rng(seed)
@@ -104,7 +117,7 @@ class Workload:
 
     def make_custom_vjp(self) -> Callable:
         """The users' approach: forward and backward written by hand as scans over chunks."""
-        edges, chunk = self.edges, self.chunk
+        edges, chunk, weights = self.edges, self.chunk, self.weights
 
         def chunks(a):
             return a.reshape((a.shape[0] // chunk, chunk) + a.shape[1:])
@@ -125,7 +138,7 @@ class Workload:
 
             def body(_, c):
                 p, dd, ss = c
-                return None, jnp.sum(los.los_weights(dd, ss, edges) * x[p], axis=-1)
+                return None, jnp.sum(weights(dd, ss, edges) * x[p], axis=-1)
 
             _, y = jax.lax.scan(body, None, (chunks(pix), chunks(d), chunks(s)))
             return y.reshape(-1)[:n]
@@ -144,7 +157,7 @@ class Workload:
 
             def body(gx, c):
                 p, dd, ss, gg = c
-                w, w_vjp = jax.vjp(lambda a, b: los.los_weights(a, b, edges), dd, ss)
+                w, w_vjp = jax.vjp(lambda a, b: weights(a, b, edges), dd, ss)
                 gx = gx.at[p].add(gg[:, None] * w)  # scatter-add into the carried sky
                 gd, gs = w_vjp(gg[:, None] * x[p])
                 return gx, (gd, gs)
@@ -159,7 +172,7 @@ class Workload:
     def build_bcoo(self, rows: dict) -> sparse.BCOO:
         """The precomputed sparse matrix: ``n_los * n_bins`` weights with their (row, column) indices."""
         n, nb = rows["pix"].shape[0], self.n_bins
-        w = los.los_weights(rows["d"], rows["s"], self.edges)  # (n, nb): all weights at once
+        w = self.weights(rows["d"], rows["s"], self.edges)  # (n, nb): all weights at once
         cols = rows["pix"][:, None] * nb + jnp.arange(nb, dtype=jnp.int32)[None, :]
         r = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[:, None], (n, nb))
         idx = jnp.stack([r.reshape(-1), cols.reshape(-1)], axis=1)
@@ -254,22 +267,40 @@ def compile_fn(fn: Callable, args: tuple) -> tuple:
 
 
 def time_round_robin(execs: dict, args: dict, repeats: int, budget_s: float) -> dict:
-    """Median seconds per call of each compiled executable, interleaved, after a warm-up call."""
-    one = {}
+    """Median and min seconds per call of each compiled executable, interleaved, after a warm-up call.
+
+    Also the process CPU time per call (all threads; less sensitive to other processes taking
+    the cores than the wall time) and the 1-minute load average before and after.
+    """
+    load_before = os.getloadavg()[0]
+    one, one_cpu = {}, {}
     for k, c in execs.items():
         jax.block_until_ready(c(*args[k]))  # warm-up
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         jax.block_until_ready(c(*args[k]))
-        one[k] = time.perf_counter() - t0
+        one[k], one_cpu[k] = time.perf_counter() - t0, time.process_time() - c0
     reps = int(max(2, min(repeats, budget_s // max(sum(one.values()), 1e-9))))
     samples = {k: [one[k]] for k in execs}
+    cpu = {k: [one_cpu[k]] for k in execs}
     for r in range(reps - 1):
         keys = list(execs)[:: (-1 if r % 2 else 1)]
         for k in keys:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             jax.block_until_ready(execs[k](*args[k]))
             samples[k].append(time.perf_counter() - t0)
-    return {k: {"median_s": statistics.median(s), "min_s": min(s), "repeats": len(s)} for k, s in samples.items()}
+            cpu[k].append(time.process_time() - c0)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return {
+        k: {
+            "median_s": statistics.median(s),
+            "min_s": min(s),
+            "cpu_median_s": statistics.median(cpu[k]),
+            "cpu_min_s": min(cpu[k]),
+            "repeats": len(s),
+            "load1": load,
+        }
+        for k, s in samples.items()
+    }
 
 
 def machine() -> dict:
@@ -367,7 +398,6 @@ def capabilities(wl: Workload, n: int) -> dict:
 
 
 def run(cfg: argparse.Namespace) -> dict:
-    wl = Workload(cfg.n_pix, cfg.n_bins, cfg.chunk)
     res: dict = {
         "config": {
             "n_pix": cfg.n_pix,
@@ -376,24 +406,35 @@ def run(cfg: argparse.Namespace) -> dict:
             "n_los": cfg.n_los,
             "mem_limit_gib": cfg.mem_limit_gib,
             "repeats": cfg.repeats,
+            "forms": list(cfg.forms),
         },
         "machine": machine(),
         "results": [],
         "bcoo_build": [],
+        "agreement_with_vmap": {},
     }
     log(f"machine: {res['machine']}")
     log(
         f"sky {cfg.n_pix} x {cfg.n_bins} ({cfg.n_pix * cfg.n_bins * 4 / MiB:.0f} MiB), chunk {cfg.chunk}, "
-        f"n_los {cfg.n_los}"
+        f"n_los {cfg.n_los}, weight forms {cfg.forms}"
     )
+    for form in cfg.forms:
+        wl = Workload(cfg.n_pix, cfg.n_bins, cfg.chunk, form)
+        res["agreement_with_vmap"][form] = check_agreement(wl, 2 * cfg.chunk + 123, jax.jit(wl.build_bcoo))
+        log(f"[{form}] max relative deviation from jax.vmap: {res['agreement_with_vmap'][form]}")
+        if "capabilities" not in res:  # the same for both forms
+            res["capabilities"] = capabilities(wl, 2 * cfg.chunk)
+            log(f"capabilities: {res['capabilities']}")
+        run_form(cfg, wl, res)
+    return res
+
+
+def run_form(cfg: argparse.Namespace, wl: Workload, res: dict) -> None:
     limit = cfg.mem_limit_gib * GiB
-    res["agreement_with_vmap"] = check_agreement(wl, 2 * cfg.chunk + 123, jax.jit(wl.build_bcoo))
-    log(f"max relative deviation from jax.vmap: {res['agreement_with_vmap']}")
-    res["capabilities"] = capabilities(wl, 2 * cfg.chunk)
-    log(f"capabilities: {res['capabilities']}")
+    form = wl.form
     for n in cfg.n_los:
         data = wl.data(n)
-        log(f"\n## n_los = {n} (weights n_los x n_bins = {n * cfg.n_bins * 4 / MiB:.0f} MiB)")
+        log(f"\n## [{form}] n_los = {n} (weights n_los x n_bins = {n * cfg.n_bins * 4 / MiB:.0f} MiB)")
         # the BCOO matrix (built once per n, outside the timed operations)
         M = None
         build_c, build_mem = compile_fn(wl.build_bcoo, (data["rows"],))
@@ -406,7 +447,9 @@ def run(cfg: argparse.Namespace) -> dict:
             build_s = min(build_s, time.perf_counter() - t0)
         else:
             build_s = None
-        res["bcoo_build"].append({"n_los": n, **build_mem, "run_s": build_s, "matrix_bytes": build_mem["output_bytes"]})
+        res["bcoo_build"].append(
+            {"form": form, "n_los": n, **build_mem, "run_s": build_s, "matrix_bytes": build_mem["output_bytes"]}
+        )
         log(
             f"  BCOO build: {build_mem['output_bytes'] / MiB:.0f} MiB matrix, temp "
             f"{build_mem['temp_bytes'] / MiB:.0f} MiB, {build_s if build_s is None else round(build_s, 3)} s"
@@ -414,7 +457,7 @@ def run(cfg: argparse.Namespace) -> dict:
         for op in OPS:
             execs, args, entries = {}, {}, {}
             for method in METHODS:
-                entry = {"n_los": n, "method": method, "op": op}
+                entry = {"form": form, "n_los": n, "method": method, "op": op}
                 entries[method] = entry
                 res["results"].append(entry)
                 state = M if method == "BCOO" else data["rows"]
@@ -445,9 +488,9 @@ def run(cfg: argparse.Namespace) -> dict:
                 for method, t in timings.items():
                     entries[method].update(t)
             line = "  ".join(f"{m}: {fmt_cell(entries[m])}" for m in METHODS)
-            log(f"  {op:9s} {line}")
+            load = next((e["load1"] for e in entries.values() if "load1" in e), None)
+            log(f"  {op:9s} {line}  (load {load})")
         del data, M
-    return res
 
 
 def fmt_cell(e: dict, what: str = "both") -> str:
@@ -465,37 +508,61 @@ def fmt_cell(e: dict, what: str = "both") -> str:
     return f"{t} / {mem}"
 
 
+def _forms(res: dict) -> list:
+    """The weight forms of a result file (files written before the literal form: expm1 only)."""
+    return res["config"].get("forms", ["expm1"])
+
+
+def _form_of(entry: dict) -> str:
+    return entry.get("form", "expm1")
+
+
 def markdown(res: dict) -> str:
     cfg = res["config"]
     lines = [
         f"Sky {cfg['n_pix']} x {cfg['n_bins']} float32, chunk {cfg['chunk']} lines; cells: median time / "
-        "compiled temp memory (XLA's temp allocation beyond arguments and outputs).",
+        "compiled temp memory (XLA's temp allocation beyond arguments and outputs). `jax.vmap` is plain "
+        "unchunked JAX (`jax.linear_transpose` of it for the transpose). Weight forms: `literal` = the users' "
+        "`-diff(exp(-(d - b) / (d s b)))`, `expm1` = the cancellation-free rewrite.",
         "",
     ]
-    for op in OPS:
-        lines.append(f"**{op}**")
-        lines.append("")
-        lines.append("| n_los | " + " | ".join(METHODS) + " |")
-        lines.append("|---|" + "---|" * len(METHODS))
-        for n in cfg["n_los"]:
-            cells = []
-            for m in METHODS:
-                e = next(r for r in res["results"] if r["n_los"] == n and r["method"] == m and r["op"] == op)
-                cells.append(fmt_cell(e))
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines.append(
-        "**Agreement with jax.vmap** (max |result - vmap's| / max |vmap's|, n_los = "
-        f"{2 * cfg['chunk'] + 123}: not a multiple of the chunk)"
-    )
-    lines.append("")
-    lines.append("| method | " + " | ".join(OPS) + " |")
-    lines.append("|---|" + "---|" * len(OPS))
-    for m, errs in res["agreement_with_vmap"].items():
+    agreement = res["agreement_with_vmap"]
+    if "expm1" not in agreement and "literal" not in agreement:  # (older files: one form)
+        agreement = {"expm1": agreement}
+    for form in _forms(res):
+        for op in OPS:
+            lines.append(f"**{op}** ({form})")
+            lines.append("")
+            lines.append("| n_los | " + " | ".join(METHODS) + " | chunkop / jax.vmap |")
+            lines.append("|---|" + "---|" * (len(METHODS) + 1))
+            for n in cfg["n_los"]:
+                cells, es = [], {}
+                for m in METHODS:
+                    e = next(
+                        r
+                        for r in res["results"]
+                        if _form_of(r) == form and r["n_los"] == n and r["method"] == m and r["op"] == op
+                    )
+                    es[m] = e
+                    cells.append(fmt_cell(e))
+                ok = all("median_s" in es[m] for m in ("chunkop", "jax.vmap"))
+                ratio = f"{es['chunkop']['median_s'] / es['jax.vmap']['median_s']:.2f}" if ok else "-"
+                lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratio} |")
+            lines.append("")
         lines.append(
-            f"| {m} | " + " | ".join(f"{v:.1e}" if isinstance(v, float) else v for v in (errs[o] for o in OPS)) + " |"
+            f"**Agreement with jax.vmap** ({form}; max |result - vmap's| / max |vmap's|, n_los = "
+            f"{2 * cfg['chunk'] + 123}: not a multiple of the chunk)"
         )
-    lines.append("")
+        lines.append("")
+        lines.append("| method | " + " | ".join(OPS) + " |")
+        lines.append("|---|" + "---|" * len(OPS))
+        for m, errs in agreement[form].items():
+            lines.append(
+                f"| {m} | "
+                + " | ".join(f"{v:.1e}" if isinstance(v, float) else v for v in (errs[o] for o in OPS))
+                + " |"
+            )
+        lines.append("")
     caps = res["capabilities"]
     names = list(next(iter(caps.values())))
     lines.append("**Other transforms** (compiled and run at a small n_los)")
@@ -507,11 +574,14 @@ def markdown(res: dict) -> str:
     lines.append("")
     lines.append("**BCOO matrix** (an argument of every BCOO operation, rebuilt whenever d or s change)")
     lines.append("")
-    lines.append("| n_los | matrix bytes | build temp | build time |")
-    lines.append("|---|---|---|---|")
+    lines.append("| form | n_los | matrix bytes | build temp | build time |")
+    lines.append("|---|---|---|---|---|")
     for b in res["bcoo_build"]:
         t = "skipped" if b["run_s"] is None else f"{b['run_s'] * 1e3:.0f} ms"
-        lines.append(f"| {b['n_los']} | {b['matrix_bytes'] / MiB:.0f} MiB | {b['temp_bytes'] / MiB:.0f} MiB | {t} |")
+        lines.append(
+            f"| {_form_of(b)} | {b['n_los']} | {b['matrix_bytes'] / MiB:.0f} MiB | "
+            f"{b['temp_bytes'] / MiB:.0f} MiB | {t} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -526,6 +596,13 @@ def plot(res: dict, out: Path) -> list:
         log("matplotlib not installed: no PNGs")
         return []
     paths = []
+    for form in _forms(res):
+        paths += _plot_form(res, out, form, plt, matplotlib)
+    return paths
+
+
+def _plot_form(res: dict, out: Path, form: str, plt, matplotlib) -> list:
+    paths = []
     ns = res["config"]["n_los"]
     for kind, key, scale, ylabel in (
         ("memory", "temp_bytes", MiB, "compiled temp memory (MiB)"),
@@ -537,7 +614,7 @@ def plot(res: dict, out: Path) -> list:
                 pts = [
                     (e["n_los"], e[key] / scale)
                     for e in res["results"]
-                    if e["method"] == m and e["op"] == op and key in e and e[key] > 0
+                    if _form_of(e) == form and e["method"] == m and e["op"] == op and key in e and e[key] > 0
                 ]
                 if pts:
                     ax.loglog(
@@ -557,8 +634,11 @@ def plot(res: dict, out: Path) -> list:
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel(ylabel)
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"LOS operator, sky {res['config']['n_pix']} x {res['config']['n_bins']}: {ylabel} vs n_los")
-        p = out / f"los_{kind}.png"
+        fig.suptitle(
+            f"LOS operator ({form} weights), sky {res['config']['n_pix']} x {res['config']['n_bins']}: "
+            f"{ylabel} vs n_los"
+        )
+        p = out / (f"los_{kind}.png" if form == "expm1" else f"los_{form}_{kind}.png")
         fig.savefig(p, dpi=90)
         plt.close(fig)
         paths.append(str(p))
@@ -576,8 +656,16 @@ def main(argv=None) -> int:
         default=6.0,
         help="run a configuration only if temp + argument + output memory is below this",
     )
+    p.add_argument(
+        "--forms",
+        default=",".join(FORMS),
+        help="comma-separated weight forms: literal (the users' -diff(exp(...))), expm1 (the rewrite)",
+    )
     p.add_argument("--replot", action="store_true", help="only redo los.md and the PNGs from OUT/los.json")
     a = p.parse_args(argv)
+    a.forms = [f for f in a.forms.split(",") if f]
+    if any(f not in FORMS for f in a.forms):
+        p.error(f"--forms: choose from {FORMS}")
     if a.replot:
         out = Path(a.out)
         res = json.loads((out / "los.json").read_text())
