@@ -192,6 +192,14 @@ def test_each_public_example_is_a_highlighted_code_block(site, name):
     assert first["highlighted"] and first["prompts"], f"chunkop.{name}: the example is not a highlighted pycon block"
 
 
+def test_examples_copy_without_prompts(site):
+    """The copy button of a pycon block copies code only: the stylesheet hiding Pygments' prompt
+    (.gp) and output (.go) tokens while Material copies is shipped and linked from the API page."""
+    css = (site / "stylesheets" / "doctest.css").read_text()
+    assert re.search(r"\[data-md-copying\] \.gp,\s*\[data-md-copying\] \.go\s*\{\s*display: none;", css)
+    assert 'href="../stylesheets/doctest.css"' in (site / "api" / "index.html").read_text()
+
+
 def test_page_parser_sees_a_blockquoted_session():
     """The checks above can fail: the markup Markdown makes of an unfenced ``>>>`` session is caught."""
     page = _Page()
