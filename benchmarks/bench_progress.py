@@ -1,17 +1,23 @@
 """What ``progress=`` costs: a chunk loop timed with progress off, a callable and ``True``.
 
     python benchmarks/bench_progress.py [--chunks 200] [--chunk 512] [--dim 128] [--repeats 25]
-                                        [--out benchmarks/results]
+                                        [--workloads grad,forward] [--out benchmarks/results]
 
 Workloads (a two-layer tanh MLP per example, ``--chunks`` chunks of ``--chunk`` examples):
 
 - ``grad``: ``jit(grad)`` of ``chunkop.sum`` (the issue's case: the backward loop reports);
 - ``forward``: ``jit`` of ``chunkop.vmap`` (the forward loop reports).
 
-Variants: ``off`` (``progress=None``), ``callable`` (``progress=lambda k, n: None``), ``bar``
-(``progress=True``, stderr sent to ``/dev/null``: not a terminal, so plain lines) and, for
-reference, ``previous``: the implementation before this change (an ordered ``debug_callback``
-after every chunk, forcing the forward loop under ``grad``), loaded from git when available.
+Variants:
+
+- ``off``: ``progress=None``;
+- ``callable``: ``progress=lambda k, n: None``;
+- ``bar``: ``progress=True``, stderr sent to ``/dev/null`` (not a terminal: plain lines);
+- ``callable-few``: a callable with ``MAX_REPORTS = 2`` (4 host callbacks per loop instead of
+  22), to tell the host callbacks' cost from the rest of the tap's;
+- ``previous``, for reference: the implementation before this change (an ordered
+  ``debug_callback`` after every chunk, forcing the forward loop under ``grad``), loaded from git.
+
 Every function is compiled first, then all are timed round-robin (interleaved, the order
 reversing every round) so that load from other processes hits them alike; min and median per
 variant and their ratios to ``off``. Writes ``OUT/progress.json`` with the machine's load
@@ -36,9 +42,11 @@ import numpy as np
 
 import chunkop
 import chunkop._chunking as _chunking
+import chunkop._progress as _progress
 
 ROOT = Path(__file__).resolve().parent.parent
 PREVIOUS = "36bc6e3"  # the last commit with the per-chunk ordered debug_callback
+FEW = 2  # MAX_REPORTS of the variant "callable-few" (4 host callbacks per loop)
 
 
 def uptime() -> str:
@@ -76,8 +84,8 @@ def build(args: argparse.Namespace) -> tuple[dict, tuple]:
     x = jax.random.normal(jax.random.key(0), (args.chunks * args.chunk, args.dim))
     old_hook = previous_progress_hook()
     fns = {}
-    for workload in ("grad", "forward"):
-        for variant in ("off", "callable", "bar", "previous"):
+    for workload in args.workloads.split(","):
+        for variant in ("off", "callable", "bar", "callable-few", "previous"):
             if variant == "previous" and old_hook is None:
                 continue
             progress = {"off": None, "bar": True}.get(variant, lambda k, n: None)  # a new callable each
@@ -88,6 +96,8 @@ def build(args: argparse.Namespace) -> tuple[dict, tuple]:
             patch = contextlib.nullcontext()
             if variant == "previous":
                 patch = _patched(_chunking, "progress_hook", old_hook)
+            elif variant == "callable-few":  # what the tap costs besides its host callbacks
+                patch = _patched(_progress, "MAX_REPORTS", FEW)
             with patch:
                 jax.block_until_ready(fn(w, x))  # traces and compiles (with the hook of this variant)
             fns[(workload, variant)] = fn
@@ -110,6 +120,7 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=25)
+    p.add_argument("--workloads", default="grad,forward", help="comma-separated: grad, forward")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
 
@@ -140,9 +151,9 @@ def main() -> None:
         }
     result = {
         "config": vars(args) | {"backend": jax.default_backend(), "jax": jax.__version__, "cpus": os.cpu_count()},
-        "reports_per_loop": f"at most {chunkop._progress.MAX_REPORTS} + 2 (stride "
-        f"{chunkop._progress.report_stride(args.chunks)} at {args.chunks} chunks)",
-        "ms_per_chunk_off": {wl: rows[f"{wl}/off"]["min_ms"] / args.chunks for wl in ("grad", "forward")},
+        "reports_per_loop": f"at most {_progress.MAX_REPORTS} + 2 (stride "
+        f"{_progress.report_stride(args.chunks)} at {args.chunks} chunks)",
+        "ms_per_chunk_off": {wl: rows[f"{wl}/off"]["min_ms"] / args.chunks for wl in args.workloads.split(",")},
         "load_before": load_before,
         "load_after": load_after,
         "results": rows,

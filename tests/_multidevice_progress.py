@@ -154,6 +154,33 @@ def operator_sharded_rows():
         assert rec.calls == 2 * RUN, rec.calls
 
 
+@check
+def partial_manual_mesh_clear_error():
+    # On a 2 x 2 mesh, rows sharded over one axis: chunkop's own shard_map reports (every mesh
+    # axis manual); inside a user's shard_map that leaves the other axis automatic, JAX host
+    # callbacks cannot run: a clear error, and without progress it works.
+    w, xs = data()
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit, AxisType.Explicit))
+    rec = Recorder()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(xs, NamedSharding(mesh, P("a")))
+        y = jax.block_until_ready(chunkop.vmap(f, (None, 0), chunk_size=3, progress=rec)(w, x))
+        close(y, jax.vmap(f, (None, 0))(w, xs))
+        assert rec.calls == [(k, 11) for k in range(1, 12)], rec.calls  # 32 rows a shard: 10 x 3 + 2
+
+        def inside(progress):
+            g = chunkop.vmap(f, (None, 0), chunk_size=3, progress=progress)
+            return jax.jit(jax.shard_map(lambda x: g(w, x), in_specs=P("a"), out_specs=P("a"), axis_names={"a"}))
+
+        close(inside(None)(x), jax.vmap(f, (None, 0))(w, xs))
+        try:
+            inside(rec)(x)
+        except NotImplementedError as e:
+            assert "progress=" in str(e) and "automatic" in str(e), str(e)
+        else:
+            raise AssertionError("no error")
+
+
 def main(names):
     assert len(jax.devices()) == 4, jax.devices()
     results = {}

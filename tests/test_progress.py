@@ -381,3 +381,15 @@ def test_row_operator_kernels_report_and_results_are_unchanged(jit):
 def test_row_operator_bad_progress_argument():
     with pytest.raises(TypeError, match=r"RowOperator: `progress` must be None, True/False or a callable"):
         _row_operator("yes")
+
+
+def test_integer_and_key_outputs_report_and_are_unchanged():
+    keys = jax.random.split(jax.random.key(0), 11)
+    for fn in (lambda k: jax.random.split(k, 3), lambda k: jax.random.bits(k, (2,)), lambda k: jnp.int32(7)):
+        rec = Recorder()
+        got = jax.block_until_ready(chunkop.vmap(fn, chunk_size=3, progress=rec)(keys))
+        ref = chunkop.vmap(fn, chunk_size=3)(keys)
+        if jax.dtypes.issubdtype(ref.dtype, jax.dtypes.prng_key):
+            got, ref = jax.random.key_data(got), jax.random.key_data(ref)
+        np.testing.assert_array_equal(got, ref)
+        assert rec.calls == [(k, 4) for k in range(1, 5)]

@@ -22,6 +22,7 @@ NAMES = [
     "vmap_progress_true_plain_lines",
     "vmap_spmd_axis_name_auto_under_jit",
     "operator_sharded_rows",
+    "partial_manual_mesh_clear_error",
 ]
 
 

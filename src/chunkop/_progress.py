@@ -7,36 +7,41 @@ if any) to the host while the compiled program runs.
 **Where the reports come from.** Every chunk's output passes through a tap (the
 ``chunkop_progress`` primitive below, placed in the scan body *outside* the chunk's
 ``jax.checkpoint``). In the forward loop the tap reports after the chunk: its host callback takes
-a one-element slice of the chunk's output, and the output is tied to the callback's result (an
-``optimization_barrier``), so the callback runs after the chunk and before anything that uses
-the chunk's output. The callback is *pure*: when nothing uses the loop's output, the tap is
-removed with it. This matters under ``jit(grad)``: the backward loop recomputes every chunk, so
-the forward loop's values are dead and XLA drops the whole forward loop; a report there would
-force it to run (about a third more work). Instead the tap's derivative is an identity whose
-*transpose* reports: the backward loop reports as each chunk's backward pass starts (the only
-thing it can wait for is the cotangent of the chunk's output, so its last report comes one
-chunk before the loop ends). The recomputation inside the checkpoint does not report. Forward
-mode (``jvp``) reports from the forward loop only.
+a one-element slice of the chunk's output, and the output's first element is rewritten with a
+select on the callback's (always zero) result, so the callback runs after the chunk and before
+anything that uses the chunk's output, and the values are bit for bit unchanged. The callback is
+*pure* (``jax.pure_callback``): when nothing uses the loop's output, the tap goes with it. This
+matters under ``jit(grad)``: the backward loop recomputes every chunk, so the forward loop's
+values are dead and the whole forward loop is dropped; a report there would force it to run (a
+whole extra forward pass). Instead the tap's derivative is an identity whose *transpose*
+reports: the backward loop reports as each chunk's backward pass starts (all it can wait for is
+the cotangent of the chunk's output, so its last report comes one chunk before the loop ends).
+The recomputation inside the checkpoint does not report. Forward mode (``jvp``) reports from the
+forward loop only; ``jax.linear_transpose`` from the transposed loop.
 
-**How often.** A loop of ``n_full`` full chunks reports its first and last full chunk, every
-``stride``-th one in between (``stride = ceil(n_full / MAX_REPORTS)``, so at most about
-``MAX_REPORTS`` host callbacks per loop, whatever the chunk count: a callback costs about
-0.1-0.4 ms of CPU time), and the remainder chunk. The choice is a ``lax.cond`` in the loop: the
-skipped chunks make no callback at all.
+**How often.** Of a loop's ``n_full`` full chunks, the first, the last and every ``stride``-th
+one report (``stride = ceil(n_full / MAX_REPORTS)``: at most ``MAX_REPORTS + 2`` host callbacks
+per loop, whatever the chunk count; a call costs about 10 microseconds of CPU time, see
+``_call_p``), and so does the remainder chunk. The choice is a ``lax.cond`` in the loop: the
+other chunks make no callback.
 
-**The host side.** The callbacks are unordered (ordered effects cost a token through the loop
-and are refused on more than one device), so the host makes sense of them: each report names
-its chunk (the remainder is chunk ``n_full + 1``) and, inside ``shard_map`` (sharded inputs),
-its shard (``lax.axis_index`` over the manual mesh axes): every device runs its own loop over
-its shard. Per direction (forward / backward) a run's progress is the fewest chunks done on any
+**The host side.** The callbacks are unordered (an ordered effect threads a token through the
+loop and is refused on more than one device), so the host makes sense of them: each report names
+its chunk (the remainder is chunk ``n_full + 1``) and, inside ``shard_map`` (sharded inputs), its
+shard (``lax.axis_index`` over the manual mesh axes): every device runs its own loop over its
+shard. Per direction (forward / backward) a run's progress is the fewest chunks done on any
 shard (forward: the highest full chunk reported plus the remainder; backward: the full chunks
 started, counted from the last, plus the remainder), and ``progress(k, n)`` is called when it
-grows, so a callable sees each run as ``k`` increasing to ``n``. A run ends at ``k == n``; a
-chunk that goes back (a full chunk at or below one already reported on that shard, or a second
-remainder) starts a new run (a fresh call of the same compiled loop). Under ``jax.vmap`` of a
-chunked function the tap is batched, not repeated: one report per chunk. A forward and a
-backward loop in one program (``value_and_grad``) are two runs. Reports are made while the
-program runs; by the time its outputs are ready they are all made.
+grows: a callable sees each call of the loop as one run of ``k`` increasing to ``n``, whatever
+order the remainder and the shards report in. A run ends at ``k == n``; a full chunk that goes
+back on its shard (below one already reported; above, backward) starts a new run (a fresh call
+of the same compiled loop after one that did not finish); repeats are ignored. Under
+``jax.vmap`` of a chunked function the tap is batched, not repeated: one report per chunk. A
+forward and a backward loop in one program (``value_and_grad``) are two runs.
+
+Reports are made while the program runs: by the time its outputs are ready, all are made. Each
+loop with progress also makes one operand-free, unordered ``jax.debug.callback`` (it keeps
+nothing alive), so that ``jax.effects_barrier()`` waits for the program and its reports too.
 
 ``progress=True`` shows a ``tqdm`` bar on stderr when tqdm is installed and stderr is a terminal
 (or tqdm.auto picks its notebook widget); otherwise plain lines: ``\\r{desc}: k/n chunks``
@@ -97,15 +102,16 @@ def n_chunks(plan: Any) -> int:
     return plan.n_full + (1 if plan.rem else 0)
 
 
-def report_stride(n_full: int, max_reports: int = MAX_REPORTS) -> int:
+def report_stride(n_full: int, max_reports: int | None = None) -> int:
     """Every how many full chunks one reports: full chunks ``1``, ``n_full`` and the multiples
-    of the stride report, at most ``max_reports + 2`` of them.
+    of the stride report, at most ``max_reports + 2`` of them (default :data:`MAX_REPORTS`,
+    read when a loop is traced).
 
     Example:
         >>> report_stride(10), report_stride(200), report_stride(1000)
         (1, 10, 50)
     """
-    return max(1, math.ceil(n_full / max_reports))
+    return max(1, math.ceil(n_full / (MAX_REPORTS if max_reports is None else max_reports)))
 
 
 # -- the host side --------------------------------------------------------------------------------
@@ -212,7 +218,7 @@ class _Run:
     def __init__(self, n_full: int, rem: bool, n_shards: int, backward: bool, sink: Callable[[int, int], Any]):
         self.n_full, self.rem, self.n_shards, self.backward, self.sink = n_full, rem, n_shards, backward, sink
         self.n = n_full + int(rem)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._reset()
 
     def _reset(self) -> None:
@@ -230,32 +236,33 @@ class _Run:
 
     def receive(self, chunk: int, shard: int) -> None:
         """Chunk ``chunk`` (1-based; ``n_full + 1``: the remainder) was reported on ``shard``."""
-        with self._lock:
-            calls = self._receive(chunk, shard)
-        for k in calls:  # outside the lock: the sink may be slow or re-entrant
-            self.sink(k, self.n)
+        with self._lock:  # (the sink is called under the lock: devices report from several threads)
+            k = self._receive(chunk, shard)
+            if k:
+                self.sink(k, self.n)
 
-    def _receive(self, chunk: int, shard: int) -> list[int]:
+    def _receive(self, chunk: int, shard: int) -> int:
+        """The run's new count, or 0 when it did not grow."""
         if self.n_shards > 1 and self._done(shard) == self.n:
-            return []  # this shard already finished the run: the others have not (see below)
+            return 0  # this shard finished the run and the others have not: drop its next run's report
         if chunk > self.n_full:
             if shard in self.rem_seen:
-                return []  # a repeated remainder (the next run's will follow its full chunks' reset)
+                return 0  # a repeated remainder
             self.rem_seen.add(shard)
         else:
             last = self.scan.get(shard)
             if last == chunk:
-                return []  # a repeat
+                return 0  # a repeat
             if last is not None and (chunk < last) != self.backward:  # went back: a new call
                 self._reset()
             self.scan[shard] = chunk
         k = min(self._done(s) for s in range(self.n_shards))
         if k <= self.emitted:
-            return []
+            return 0
         self.emitted = k
         if k >= self.n:
             self._reset()
-        return [k]
+        return k
 
 
 class _Loop:
@@ -317,12 +324,56 @@ def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
     chosen = (k == 1) | (k >= loop.n_full) | (k % loop.stride == 0)
 
     def report(k: Any, shard: Any, after: Any) -> Any:
-        return jax.pure_callback(
-            host, jax.ShapeDtypeStruct((), jnp.int32), k, shard, after, vmap_method="broadcast_all"
-        )
+        if _callback_op_sharding is not None:
+            return _call_p.bind(k, shard, after, loop=loop, backward=backward)
+        out = jax.ShapeDtypeStruct((), jnp.int32)  # (fallback: about 40x the cost per call)
+        return jax.pure_callback(host, out, k, shard, after, vmap_method="broadcast_all")
 
     done = jax.lax.cond(chosen, report, lambda *_: jnp.zeros((), jnp.int32), k, shard, after)
     return _tie(list(xs), done)
+
+
+# The host call itself. ``jax.pure_callback`` would do, but it moves its operands into JAX arrays
+# on the host before calling (``device_put``): about 0.3 ms a call on a loaded 2-core CPU, against
+# 0.01 ms for a plain Python callback of NumPy arrays (``mlir.emit_python_callback``, what
+# ``pure_callback`` lowers to), with the same placement (``_callback_op_sharding``: per device
+# inside ``shard_map``). Pure (no side effect for XLA), so it goes when its result is unused.
+try:
+    from jax._src.callback import _callback_op_sharding
+except ImportError:  # pragma: no cover  (another JAX: fall back on jax.pure_callback)
+    _callback_op_sharding = None
+
+_call_p = Primitive("chunkop_progress_call")
+
+
+def _call_abstract_eval(*avals: Any, loop: _Loop, backward: bool) -> Any:
+    return jax.core.ShapedArray((), jnp.int32)
+
+
+def _call_impl(*args: Any, loop: _Loop, backward: bool) -> Any:
+    return jnp.asarray(_host(loop, backward)(*map(np.asarray, args)))
+
+
+def _call_lowering(ctx: Any, *args: Any, loop: _Loop, backward: bool) -> Any:
+    host = _host(loop, backward)
+    sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+    result, _, _ = mlir.emit_python_callback(
+        ctx,
+        lambda *arrays: (host(*arrays),),
+        None,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=False,
+        returns_token=False,
+        sharding=sharding,
+    )
+    return result
+
+
+_call_p.def_impl(_call_impl)
+_call_p.def_abstract_eval(_call_abstract_eval)
+mlir.register_lowering(_call_p, _call_lowering, cacheable=False)
 
 
 def _tie(xs: list, done: Any) -> list:
@@ -385,7 +436,7 @@ def _tap_batch(args: tuple, dims: tuple, **params: Any) -> tuple:
 
 _tap_p.def_impl(_tap_impl)
 _tap_p.def_abstract_eval(_tap_abstract_eval)
-mlir.register_lowering(_tap_p, mlir.lower_fun(_tap_lowered, multiple_results=True))
+mlir.register_lowering(_tap_p, mlir.lower_fun(_tap_lowered, multiple_results=True), cacheable=False)
 ad.primitive_jvps[_tap_p] = _tap_jvp
 ad.primitive_transposes[_tap_p] = _tap_transpose
 batching.primitive_batchers[_tap_p] = _tap_batch
@@ -404,21 +455,31 @@ def _shard() -> tuple[Any, int]:
         names = ()
     if not names:
         return jnp.int32(0), 1
+    auto = [a for a in mesh.axis_names if a not in names]
+    if auto:
+        raise NotImplementedError(
+            f"progress=: a chunk loop inside a shard_map over mesh axes {names} that leaves {tuple(auto)} "
+            "automatic cannot report (JAX host callbacks need every mesh axis manual). Pass progress=None, "
+            "or shard over every mesh axis."
+        )
     return jax.lax.axis_index(names).astype(jnp.int32), math.prod(int(mesh.shape[a]) for a in names)
 
 
 def _report(loop: _Loop, k: Any, out: Any) -> Any:
-    """``out`` (a pytree) passed through the tap with chunk number ``k``."""
+    """``out`` (a pytree) passed through the tap with chunk number ``k``: its float leaves (else
+    its first other array, else the data of its first PRNG key array)."""
     leaves, tree = jax.tree_util.tree_flatten(out)
     arrays = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
-    floats = [i for i in arrays if jnp.issubdtype(jnp.result_type(leaves[i]), jnp.inexact)]
-    idx = floats or arrays[:1]
+    keys = [i for i in arrays if jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key)]
+    floats = [i for i in arrays if i not in keys and jnp.issubdtype(leaves[i].dtype, jnp.inexact)]
+    idx = floats or [i for i in arrays if i not in keys][:1] or keys[:1]  # (keys: their key data)
     if not idx:
         return out
     shard, _ = _shard()
-    tapped = _tap([leaves[i] for i in idx], jnp.asarray(k, jnp.int32), shard, loop=loop, backward=False, silent=False)
+    raw = [jax.random.key_data(leaves[i]) if i in keys else leaves[i] for i in idx]
+    tapped = _tap(raw, jnp.asarray(k, jnp.int32), shard, loop=loop, backward=False, silent=False)
     for i, t in zip(idx, tapped):
-        leaves[i] = t
+        leaves[i] = jax.random.wrap_key_data(t, impl=jax.random.key_impl(leaves[i])) if i in keys else t
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
