@@ -393,3 +393,21 @@ def test_integer_and_key_outputs_report_and_are_unchanged():
             got, ref = jax.random.key_data(got), jax.random.key_data(ref)
         np.testing.assert_array_equal(got, ref)
         assert rec.calls == [(k, 4) for k in range(1, 5)]
+
+
+def test_pure_callback_fallback(monkeypatch):
+    """Without JAX's private callback placement helper, reports go through jax.pure_callback."""
+    monkeypatch.setattr(_progress, "_callback_op_sharding", None)
+    used = []
+    real = jax.pure_callback
+    monkeypatch.setattr(jax, "pure_callback", lambda *a, **k: used.append(1) or real(*a, **k))
+    rec = Recorder()
+    loss = chunkop.sum(lambda w, x: jnp.sin(x @ w).sum(), in_axes=(None, 0), chunk_size=5, progress=rec)
+    hlo = jax.jit(loss).lower(W, X).as_text()
+    assert hlo.count("python_cpu_callback") >= 2 and used  # the loop's and the remainder's report
+    v = jax.block_until_ready(jax.jit(loss)(W, X))
+    g = jax.block_until_ready(jax.jit(jax.grad(loss))(W, X))
+    assert rec.calls == 2 * [(k, 5) for k in range(1, 6)]
+    plain = chunkop.sum(lambda w, x: jnp.sin(x @ w).sum(), in_axes=(None, 0), chunk_size=5)
+    np.testing.assert_array_equal(v, jax.jit(plain)(W, X))
+    np.testing.assert_array_equal(g, jax.jit(jax.grad(plain))(W, X))
