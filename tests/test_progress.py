@@ -10,6 +10,9 @@ from __future__ import annotations
 import builtins
 import io
 import re
+import sys
+import types
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -297,16 +300,47 @@ def test_progress_true_writes_plain_lines_to_a_non_terminal_stderr(monkeypatch, 
     assert err.endswith("chunkop (backward): 5/5 chunks\n") and "\r" not in err
 
 
-def test_progress_true_with_tqdm(capsys):
-    pytest.importorskip("tqdm")
-    jax.block_until_ready(chunkop.vmap(jnp.sin, chunk_size=3, progress=True)(jnp.ones(10)))
-    err = capsys.readouterr().err  # not a terminal: plain lines, no tqdm
-    assert err.endswith("chunkop: 4/4 chunks\n") and "\r" not in err
+class FakeTqdm:
+    """Stands in for tqdm (an optional dependency, maybe not installed): records what it is told."""
+
+    made: typing.ClassVar[list] = []
+
+    def __init__(self, total, desc, unit, file, leave):
+        self.total, self.desc, self.file, self.n, self.closed = total, desc, file, 0, False
+        FakeTqdm.made.append(self)
+
+    def update(self, d):
+        self.n += d
+
+    def close(self):
+        self.closed = True
+
+
+def _fake_tqdm(monkeypatch):
+    FakeTqdm.made = []
+    tqdm_mod, auto_mod = types.ModuleType("tqdm"), types.ModuleType("tqdm.auto")
+    auto_mod.tqdm = FakeTqdm
+    tqdm_mod.auto = auto_mod
+    monkeypatch.setitem(sys.modules, "tqdm", tqdm_mod)
+    monkeypatch.setitem(sys.modules, "tqdm.auto", auto_mod)
+
+
+def test_tqdm_on_a_terminal_plain_lines_otherwise(monkeypatch, capsys):
+    _fake_tqdm(monkeypatch)
     stream = FakeTTY()
     bar = _progress.ProgressBar("demo", file=stream)
-    for k in (1, 2, 3, 4):
+    for k in (1, 3, 4):
         bar.update(k, 4)
-    assert "4/4" in stream.getvalue() and "chunk" in stream.getvalue()
+    bar.update(2, 4)
+    assert [(b.total, b.desc, b.n, b.closed, b.file is stream) for b in FakeTqdm.made] == [
+        (4, "demo", 4, True, True),
+        (4, "demo", 2, False, True),
+    ]
+    assert stream.getvalue() == ""  # tqdm draws, not the plain line
+    FakeTqdm.made = []
+    jax.block_until_ready(chunkop.vmap(jnp.sin, chunk_size=3, progress=True)(jnp.ones(10)))
+    err = capsys.readouterr().err  # pytest's stderr is not a terminal: plain lines, no tqdm
+    assert FakeTqdm.made == [] and err.endswith("chunkop: 4/4 chunks\n") and "\r" not in err
 
 
 # -- the host side's run tracking -----------------------------------------------------------------

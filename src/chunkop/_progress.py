@@ -44,7 +44,7 @@ loop with progress also makes one operand-free, unordered ``jax.debug.callback``
 nothing alive), so that ``jax.effects_barrier()`` waits for the program and its reports too.
 
 ``progress=True`` shows a ``tqdm`` bar on stderr when tqdm is installed and stderr is a terminal
-(or tqdm.auto picks its notebook widget); otherwise plain lines: ``\\r{desc}: k/n chunks``
+(or this is a Jupyter kernel: tqdm.auto's widget); otherwise plain lines: ``\\r{desc}: k/n chunks``
 rewritten in place on a terminal, and on anything else (a log file, a pipe) one
 ``{desc}: k/n chunks`` line per report, at most one every ``min_interval`` seconds plus the
 final one.
@@ -124,6 +124,16 @@ def _is_tty(stream: Any) -> bool:
         return False
 
 
+def _in_notebook() -> bool:
+    """Whether this is an IPython kernel (Jupyter), where tqdm.auto draws a widget."""
+    ipython = sys.modules.get("IPython")
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+    except Exception:  # noqa: BLE001
+        return False
+    return shell is not None and hasattr(shell, "kernel")
+
+
 class ProgressBar:
     """The host side of ``progress=True``: a bar driven by counts.
 
@@ -131,8 +141,8 @@ class ProgressBar:
     bar (the same compiled loop called again), a repeated ``(k, n)`` is ignored, and ``k >= n``
     closes the bar (the next update opens a new one).
 
-    The bar is tqdm's when tqdm is installed and ``file`` is a terminal (or tqdm.auto is its
-    notebook widget); otherwise a plain ``\\r{desc}: k/n chunks`` line rewritten in place on a
+    The bar is tqdm's (``tqdm.auto``) when tqdm is installed and ``file`` is a terminal or this
+    is a Jupyter kernel (a widget); otherwise a plain ``\\r{desc}: k/n chunks`` line rewritten in place on a
     terminal (its first and last count, and at most one every ``min_interval / 10`` s between),
     and on anything else one
     ``{desc}: k/n chunks`` line per update at most every ``min_interval`` seconds, the final
@@ -171,13 +181,13 @@ class ProgressBar:
         self._open = True
         self._pending = None  # (None: nothing written in this run yet)
         self._tty = _is_tty(self._stream())
+        if not (self._tty or _in_notebook()):
+            return
         try:
-            from tqdm import std
             from tqdm.auto import tqdm
         except ImportError:
             return
-        if self._tty or tqdm is not std.tqdm:
-            self._bar = tqdm(total=n, desc=self.desc, unit="chunk", file=self._stream(), leave=True)
+        self._bar = tqdm(total=n, desc=self.desc, unit="chunk", file=self._stream(), leave=True)
 
     def _advance(self, k: int, n: int) -> None:
         if self._bar is not None:
