@@ -191,13 +191,44 @@ def vmap_axis_name_collective_on_shards_refused():
         x = jax.device_put(xs, NamedSharding(mesh, P("d")))
         ok = chunkop.vmap(lambda v: v * 2, axis_name="i", chunk_size=4)  # no collective: fine
         close(ok(x), xs * 2)
-        bad = chunkop.vmap(lambda v: v / jax.lax.psum(v, "i"), axis_name="i", chunk_size=None)
+        collective = lambda v: v / jax.lax.psum(v, "i") * jax.lax.axis_size("i")
+        # chunk_size=None is exactly jax.vmap, collectives over sharded inputs included
+        close(chunkop.vmap(collective, axis_name="i")(x), jax.vmap(collective, axis_name="i")(xs))
+        ten = jax.device_put(np.asarray(xs)[:10], NamedSharding(mesh, P()))  # 10 rows, 4 devices
+        close(chunkop.vmap(jnp.sin, spmd_axis_name="d")(ten), jnp.sin(xs[:10]))
+        bad = chunkop.vmap(lambda v: v / jax.lax.psum(v, "i"), axis_name="i", chunk_size=4)
         try:
             bad(x)
         except ValueError as e:
             assert "collective" in str(e) and "shard" in str(e), e
         else:
             raise AssertionError("a psum over the sharded mapped axis was not refused")
+
+
+@check
+def vmap_same_function_on_two_meshes():
+    """One chunked function on a 1-D mesh, then on a 2-D mesh (the mapped axis on 'a' only)."""
+    f = chunkop.vmap(lambda v: jnp.sin(v) * 2, chunk_size=3)
+    _, xs = data()
+    mesh1 = jax.make_mesh((4,), ("x",), axis_types=(AxisType.Explicit,))
+    mesh2 = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    for mesh, name in ((mesh1, "x"), (mesh2, "a"), (mesh1, "x")):
+        y = f(jax.device_put(xs, NamedSharding(mesh, P(name))))
+        close(y, jnp.sin(xs) * 2)
+        assert y.sharding.spec[0] == name, y.sharding
+
+
+@check
+def vmap_sum_mapped_axis_on_a_other_axis_on_b():
+    """Mapped axis sharded over mesh axis 'a', another array axis over 'b': each example whole."""
+    _, xs = data()
+    xs = jnp.concatenate([xs, xs[:, :1] ** 2], axis=1)  # (N, 4): axis 1 splits over 'b'
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    x = jax.device_put(xs, NamedSharding(mesh, P("a", "b")))
+    fun = lambda v: jnp.sin(v) * v.sum()  # reads the whole example: a split one would be wrong
+    close(chunkop.vmap(fun, chunk_size=3)(x), jax.vmap(fun)(xs))
+    close(chunkop.sum(fun, chunk_size=3)(x), jax.vmap(fun)(xs).sum(0))
+    close(chunkop.mean(fun, chunk_size=3)(x), jax.vmap(fun)(xs).mean(0))
 
 
 @check

@@ -26,6 +26,8 @@ NAMES = [
     "vmap_grad",
     "vmap_spmd_axis_name_auto_under_jit",
     "vmap_axis_name_collective_on_shards_refused",
+    "vmap_same_function_on_two_meshes",
+    "vmap_sum_mapped_axis_on_a_other_axis_on_b",
     "map_sharded",
     "sum_mean_values_grad_one_allreduce",
     "sum_spmd_axis_name_auto_under_jit",

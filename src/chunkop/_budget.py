@@ -29,7 +29,6 @@ memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on acceler
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -439,36 +438,6 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
 # Plans for wrapped functions, cached per call signature.
 
 
-def _is_array_like(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, float, complex)) or (
-        isinstance(x, int) and not isinstance(x, bool)
-    )
-
-
-def call_temp_bytes(
-    call_at_chunk: Callable[[int], Callable], args: tuple, kwargs: dict, mode: str
-) -> Callable[[int], int]:
-    """``chunk -> compiled temp bytes`` of ``call_at_chunk(chunk)(*args, **kwargs)`` under ``mode``.
-
-    Array leaves of ``args``/``kwargs`` (and Python scalars) become arguments of the compiled
-    program (only their shapes and dtypes are used); other leaves are kept as they are.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dyn = [i for i, x in enumerate(leaves) if _is_array_like(x)]
-    structs = [_struct(leaves[i]) for i in dyn]
-
-    def temp_bytes(chunk: int) -> int:
-        fn = call_at_chunk(chunk)
-
-        def flat(*d: Any) -> Any:
-            a, k = jax.tree_util.tree_unflatten(treedef, replace_at(leaves, dyn, d))
-            return fn(*a, **k)
-
-        return program_temp_bytes(flat, structs, mode)
-
-    return temp_bytes
-
-
 _PLANS: dict = {}
 _MAX_PLANS = 512
 
@@ -526,47 +495,94 @@ def plan_mode(leaves: Sequence[Any]) -> str:
     return "hvp" if transform_depth(leaves) >= 2 else "grad"
 
 
-def _at_chunk(wrapper: Any, chunk: int | None) -> Any:
-    clone = copy.copy(wrapper)
-    clone.chunk_size = chunk
-    return clone
+def enclosing_batch(leaves: Sequence[Any]) -> int:
+    """The number of examples enclosing ``jax.vmap``s (also ``jacfwd``/``hessian``, which vmap
+    over basis vectors) run a call on at once: the product of their batch sizes, 1 outside any.
+
+    One compiled chunk loop under such a vmap holds that many chunks' temporaries at once, so
+    ``"auto"`` plans for ``memory_budget`` divided by it.
+    """
+
+    def batch(x: Any, depth: int) -> int:
+        if depth > 16:
+            return 1
+        kind = type(x).__name__
+        if kind == "BatchTracer":
+            bd = x.batch_dim
+            size = int(x.val.shape[bd]) if isinstance(bd, int) else 1
+            return size * batch(x.val, depth + 1)
+        if kind in ("JVPTracer", "LinearizeTracer"):
+            return max(batch(x.primal, depth + 1), batch(getattr(x, "tangent", None), depth + 1))
+        return 1
+
+    return max([batch(x, 0) for x in leaves], default=1)
 
 
-def _wrapper_key(wrapper: Any, traced_key: Any, leaves: list, axes: list, n: int, budget: int, mode: str) -> Any:
+def unchunked_plan(n: int, memory_budget: int | None, leaves: Sequence[Any]) -> BudgetPlan:
+    """The plan of an ``"auto"`` call that does not chunk (an axis of one, or a collective)."""
+    budget = memory_budget if memory_budget is not None else default_budget()
+    return BudgetPlan(None, n, budget, plan_mode(leaves), None, 0, ())
+
+
+def plan_traced(wrapper: Any, traced: Any, spec: Any, mapped: list, n: int) -> BudgetPlan:
+    """The (cached) plan of an ``"auto"`` transform, made on the program the call will run.
+
+    The candidate programs are the chunk loop built from the call's traced ``fun`` (``traced``,
+    a :class:`chunkop._trace.Traced`) at each probed chunk, compiled on the shapes of its
+    constants and mapped inputs (``fun`` is not traced again, and no wrapper is re-entered).
+    The budget is ``wrapper.memory_budget`` (default: :func:`default_budget`) divided by the
+    batch of enclosing ``jax.vmap``s (:func:`enclosing_batch`).
+
+    Args:
+        wrapper: the transform (its ``_loop``, ``memory_budget``, ``remat``, ``out_axes``).
+        traced: ``fun`` traced on one example.
+        spec: the call's :class:`chunkop._vmap.LoopSpec` (its plan is replaced per probe).
+        mapped: the mapped argument leaves.
+        n: the size of the mapped axis.
+
+    Returns:
+        The :class:`BudgetPlan`; its ``chunk`` is None when the whole axis fits.
+    """
+    leaves = [*traced.consts, *mapped]
+    budget = wrapper.memory_budget if wrapper.memory_budget is not None else default_budget()
+    budget = max(1, budget // enclosing_batch(leaves))
+    mode = plan_mode(leaves)
+    k = len(traced.consts)
+    probe_spec = spec._replace(progress=None)
+
+    def temp_bytes(chunk: int) -> int:
+        loop = wrapper._loop(traced.jaxpr, traced.out_shapes, probe_spec._replace(plan=make_plan(n, min(chunk, n))))
+        return program_temp_bytes(lambda *flat: loop(list(flat[:k]), list(flat[k:])), leaves, mode)
+
+    def compute() -> BudgetPlan:
+        return choose_chunk(temp_bytes, n, budget, mode=mode, cap=throughput_cap())
+
+    if traced.key is None:
+        return compute()
     from ._cache import Uncacheable, callable_key
 
-    remat = wrapper.remat
     try:
-        remat = remat if isinstance(remat, bool) else callable_key(remat)
+        remat = spec.remat if isinstance(spec.remat, bool) else callable_key(spec.remat)
     except Uncacheable:
-        return None
-    shapes = tuple(
-        (tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) if isinstance(x, jax.Array) else type(x).__name__
-        for x in leaves
-    )
-    return (
-        "auto",
-        type(wrapper).__name__,
-        traced_key,
-        shapes,
-        tuple(axes),
-        n,
-        budget,
-        mode,
-        remat,
-        getattr(wrapper, "out_axes", None),
-        wrapper.spmd_axis_name,
-    )
+        return compute()
+    avals = tuple((tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) for x in leaves)
+    key = ("auto", type(wrapper).__name__, traced.key, avals, spec.axes, spec.out_axes, n, budget, mode, remat)
+    key += (spec.spmd_axis_name, jax.default_backend())
+    return cached_plan(key, compute)
 
 
 def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> BudgetPlan:
-    """The (cached) plan of an ``"auto"`` wrapper for this call's signature."""
-    from ._trace import trace_example
+    """The (cached) plan an ``"auto"`` wrapper makes for this call (what :func:`plan` reports).
 
-    budget = wrapper.memory_budget if wrapper.memory_budget is not None else default_budget()
-    mode = plan_mode(leaves)
+    The call's own pipeline: ``fun`` traced once on one example, then :func:`plan_traced`.
+    """
+    from ._chunking import make_plan as _make_plan
+    from ._trace import trace_example
+    from ._vmap import LoopSpec
+
+    del args, kwargs  # the flat leaves say it all
     if n <= 1:
-        return BudgetPlan(None, n, budget, mode, None, 0, ())
+        return unchunked_plan(n, wrapper.memory_budget, leaves)
     try:
         traced = trace_example(
             wrapper.fun,
@@ -583,21 +599,16 @@ def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: An
         if wrapper.axis_name is None:
             raise
         # a collective over axis_name: chunks would each see part of the axis; run unchunked
-        return BudgetPlan(None, n, budget, mode, None, 0, ())
-    key = None if traced.key is None else _wrapper_key(wrapper, traced.key, leaves, axes, n, budget, mode)
-
-    def compute() -> BudgetPlan:
-        temp = call_temp_bytes(lambda c: _at_chunk(wrapper, None if c >= n else c), args, kwargs, mode)
-        return choose_chunk(temp, n, budget, mode=mode, cap=throughput_cap())
-
-    return compute() if key is None else cached_plan(key, compute)
-
-
-def call_auto(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> Any:
-    """Run an ``"auto"`` wrapper: plan (cached), record the plan on the wrapper, call at that chunk."""
-    plan = plan_call(wrapper, args, kwargs, leaves, treedef, axes, n)
-    wrapper.last_plan = plan
-    return _at_chunk(wrapper, plan.chunk)(*args, **kwargs)
+        return unchunked_plan(n, wrapper.memory_budget, leaves)
+    mapped = [i for i, a in enumerate(axes) if a is not None]
+    spec = LoopSpec(
+        axes=tuple(axes[i] for i in mapped),
+        plan=_make_plan(n, n),
+        remat=wrapper.remat,
+        spmd_axis_name=wrapper.spmd_axis_name,
+        out_axes=wrapper._flat_out_axes(traced.out_shapes),
+    )
+    return plan_traced(wrapper, traced, spec, [leaves[i] for i in mapped], n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -694,7 +705,12 @@ def _plan_shard(f: Any, leaves: list, treedef: Any, axes: list, mesh_axes: Any, 
     def run(*d: Any) -> tuple:
         d = _sharding._conform(list(d), specs, mesh_axes)
         return jax.shard_map(
-            local, mesh=mesh_axes.mesh, in_specs=tuple(specs), out_specs=(), axis_names=set(names), check_vma=False
+            local,
+            mesh=mesh_axes.mesh,
+            in_specs=tuple(specs),
+            out_specs=(),
+            axis_names=set(mesh_axes.mesh.axis_names),
+            check_vma=False,
         )(*d)
 
     jax.eval_shape(run, *dyn)

@@ -163,6 +163,9 @@ def stack_chunks(
         ``(ys_full, ys_rem, zs)``: ``ys_full`` leaves have shape ``(n_full, *chunk_out_shape)``;
         ``ys_rem`` is the remainder chunk's ``ys`` (None when ``n % chunk == 0``).
     """
+    if plan.n_full == 1 and not plan.rem:  # one chunk (an "auto" plan that fits): no loop, no report
+        ys, zs = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat)(list(mapped))
+        return [y[None] for y in ys], None, list(zs)
     xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
@@ -193,6 +196,10 @@ def sum_chunks(
     Only the running sum is carried, so neither the forward pass nor (with ``remat``) the
     backward pass holds per-element outputs.
     """
+    if plan.n_full == 1 and not plan.rem:  # one chunk: no loop, no report
+        return jax.tree_util.tree_map(
+            jnp.add, init, rematerialise(lambda c: chunk_fn(c, plan.chunk), remat)(list(mapped))
+        )
     xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)

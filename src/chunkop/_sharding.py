@@ -282,7 +282,7 @@ def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, sha
     # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
     # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
     return jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(names), check_vma=False
+        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(mesh.axis_names), check_vma=False
     )
 
 

@@ -18,6 +18,7 @@ also when they appear only in a ``custom_jvp``/``custom_vjp`` rule.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -240,6 +241,20 @@ def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
 # -- tracing ---------------------------------------------------------------------------------------
 
 
+def _fold_concrete(axis_name: Hashable | None) -> Any:
+    """While tracing ``fun``: operations on concrete (unmapped, eager) values only are computed
+    then, as under ``jax.vmap``, so ``fun`` may use them in Python control flow
+    (``if float(w.sum()) > 0``); their results are hoisted like any other constant.
+
+    Not with an ``axis_name``: a collective without operands (``lax.axis_index``) would be
+    computed outside the axis' scope.
+    """
+    from jax._src import config as _config  # no public switch for this yet
+
+    state = getattr(_config, "eager_constant_folding", None)
+    return state(True) if state is not None and axis_name is None else contextlib.nullcontext()
+
+
 def trace_example(
     fun: Callable,
     leaves: list,
@@ -276,7 +291,8 @@ def trace_example(
 
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
     env = [(axis_name, n)] if axis_name is not None else []
-    closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
+    with _fold_concrete(axis_name):
+        closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
     if any(_jit_with_consts(eqn) for eqn in closed.jaxpr.eqns):
         # An inner jax.jit closing over arrays (built afresh per step over new parameters, say):
         # trace once more with it inlined, so those arrays are hoisted (passed to the compiled

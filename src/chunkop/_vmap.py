@@ -152,42 +152,59 @@ class _Chunked(abc.ABC):
 
     # -- per call ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """One pipeline: checks -> no-chunk shortcut -> ``fun`` traced once -> plan -> one loop."""
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
+        chunk = self.chunk_size
+        if chunk is None or (chunk != "auto" and n <= chunk):
+            return self._unchunked(args, kwargs)  # exactly jax.vmap, sharded inputs included
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:  # each device chunks its own shard (see _sharding)
             return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
-        if self.chunk_size == "auto":  # chunk from the memory budget (see _budget), then as below
-            return _budget.call_auto(self, args, kwargs, leaves, treedef, axes, n)
-        if self.chunk_size is None or n <= self.chunk_size:
+        if chunk == "auto" and n <= 1:
             return self._unchunked(args, kwargs)
-        traced = trace_example(
-            self.fun,
-            leaves,
-            treedef,
-            axes,
-            n,
-            axis_name=self.axis_name,
-            chunk_size=self.chunk_size,
-            remat=self.remat,
-            where=self.where,
-        )
-        if not traced.stageable:
-            return self._join(self._unstaged_chunks(leaves, treedef, axes, n), traced.out_shapes, n)
+        try:
+            traced = trace_example(
+                self.fun,
+                leaves,
+                treedef,
+                axes,
+                n,
+                axis_name=self.axis_name,
+                chunk_size=n - 1 if chunk == "auto" else chunk,
+                remat=self.remat,
+                where=self.where,
+            )
+        except ValueError:
+            if chunk == "auto" and self.axis_name is not None:
+                # a collective over axis_name: chunks would each see part of the axis
+                self.last_plan = _budget.unchunked_plan(n, self.memory_budget, leaves)
+                return self._unchunked(args, kwargs)
+            raise
         mapped = [i for i, a in enumerate(axes) if a is not None]
         spec = LoopSpec(
             axes=tuple(axes[i] for i in mapped),
-            plan=make_plan(n, self.chunk_size),
+            plan=make_plan(n, n if chunk == "auto" else chunk),
             remat=self.remat,
             spmd_axis_name=self.spmd_axis_name,
             out_axes=self._flat_out_axes(traced.out_shapes),
             progress=self.progress,
         )
+        if chunk == "auto":  # the chunk from the budget, planned on the traced program itself
+            self.last_plan = _budget.plan_traced(self, traced, spec, [leaves[i] for i in mapped], n)
+            chunk = self.last_plan.chunk or n
+            spec = spec._replace(plan=make_plan(n, chunk))
+            if chunk == n:  # the whole axis fits: one chunk, as jax.vmap (fun is not traced again)
+                spec = spec._replace(remat=False, progress=None)
+        if not traced.stageable:
+            if self.axis_name is not None:  # unrolled chunks would each see their own axis size
+                return self._unchunked(args, kwargs)
+            return self._join(self._unstaged_chunks(leaves, treedef, axes, n, chunk), traced.out_shapes, n)
         make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
         loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
         return loop(traced.consts, [leaves[i] for i in mapped])
 
-    def _unstaged_chunks(self, leaves: list, treedef: Any, axes: list, n: int) -> list:
+    def _unstaged_chunks(self, leaves: list, treedef: Any, axes: list, n: int, chunk: int) -> list:
         """Each chunk's per-example outputs, by a Python loop of ``jax.vmap`` calls of ``fun``.
 
         The fallback for a ``fun`` whose custom rule closes over a tracer of an enclosing
@@ -196,8 +213,8 @@ class _Chunked(abc.ABC):
         program's size grows with ``n / chunk_size`` and reverse mode is not bounded by the chunk.
         """
         outs = []
-        for start in range(0, n, self.chunk_size):
-            m = min(self.chunk_size, n - start)
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
             flat = [x if a is None else jax.lax.slice_in_dim(x, start, start + m, axis=a) for x, a in zip(leaves, axes)]
             args, kwargs = jax.tree_util.tree_unflatten(treedef, flat)
             vmapped = jax.vmap(
