@@ -1,12 +1,16 @@
 """What ``progress=`` costs: a chunk loop timed with progress off, a callable and ``True``.
 
-    python benchmarks/bench_progress.py [--chunks 200] [--chunk 512] [--dim 128] [--repeats 25]
-                                        [--workloads grad,forward] [--out benchmarks/results]
+    python benchmarks/bench_progress.py [--chunks 200] [--chunk 512] [--forward-chunk 1024]
+                                        [--dim 128] [--repeats 25] [--workloads grad,forward]
+                                        [--out benchmarks/results]
 
-Workloads (a two-layer tanh MLP per example, ``--chunks`` chunks of ``--chunk`` examples):
+Workloads (a two-layer tanh MLP per example, ``--chunks`` chunks; on an idle 2-core CPU each
+chunk takes about 1 ms in both):
 
-- ``grad``: ``jit(grad)`` of ``chunkop.sum`` (the issue's case: the backward loop reports);
-- ``forward``: ``jit`` of ``chunkop.vmap`` (the forward loop reports).
+- ``grad``: ``jit(grad)`` of ``chunkop.sum`` over chunks of ``--chunk`` examples (the issue's
+  case: the backward loop reports);
+- ``forward``: ``jit`` of ``chunkop.vmap`` over chunks of ``--forward-chunk`` examples (the
+  forward loop reports).
 
 Variants:
 
@@ -81,7 +85,10 @@ def mlp(w: jax.Array, x: jax.Array) -> jax.Array:
 
 def build(args: argparse.Namespace) -> tuple[dict, tuple]:
     w = jnp.full((args.dim, args.dim), 0.01)
-    x = jax.random.normal(jax.random.key(0), (args.chunks * args.chunk, args.dim))
+    xs = {
+        "grad": jax.random.normal(jax.random.key(0), (args.chunks * args.chunk, args.dim)),
+        "forward": jax.random.normal(jax.random.key(0), (args.chunks * args.forward_chunk, args.dim)),
+    }
     old_hook = previous_progress_hook()
     fns = {}
     for workload in args.workloads.split(","):
@@ -92,16 +99,16 @@ def build(args: argparse.Namespace) -> tuple[dict, tuple]:
             if workload == "grad":
                 fn = jax.jit(jax.grad(chunkop.sum(mlp, in_axes=(None, 0), chunk_size=args.chunk, progress=progress)))
             else:
-                fn = jax.jit(chunkop.vmap(mlp, in_axes=(None, 0), chunk_size=args.chunk, progress=progress))
+                fn = jax.jit(chunkop.vmap(mlp, in_axes=(None, 0), chunk_size=args.forward_chunk, progress=progress))
             patch = contextlib.nullcontext()
             if variant == "previous":
                 patch = _patched(_chunking, "progress_hook", old_hook)
             elif variant == "callable-few":  # what the tap costs besides its host callbacks
                 patch = _patched(_progress, "MAX_REPORTS", FEW)
             with patch:
-                jax.block_until_ready(fn(w, x))  # traces and compiles (with the hook of this variant)
+                jax.block_until_ready(fn(w, xs[workload]))  # traces and compiles (with this variant's hook)
             fns[(workload, variant)] = fn
-    return fns, (w, x)
+    return fns, w, xs
 
 
 @contextlib.contextmanager
@@ -118,6 +125,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, default=200)
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--forward-chunk", type=int, default=1024)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--workloads", default="grad,forward", help="comma-separated: grad, forward")
@@ -128,14 +136,14 @@ def main() -> None:
     print("load before:", load_before, flush=True)
     devnull = open(os.devnull, "w")  # noqa: SIM115
     with contextlib.redirect_stderr(devnull):
-        fns, (w, x) = build(args)
+        fns, w, xs = build(args)
         jax.effects_barrier()
         times: dict = {key: [] for key in fns}
         keys = list(fns)
         for r in range(args.repeats):
             for key in keys if r % 2 == 0 else keys[::-1]:
                 t0 = time.perf_counter()
-                jax.block_until_ready(fns[key](w, x))
+                jax.block_until_ready(fns[key](w, xs[key[0]]))
                 jax.effects_barrier()
                 times[key].append(time.perf_counter() - t0)
     load_after = uptime()
