@@ -32,7 +32,8 @@ IN_AXES = (0, None, None, None)
 
 @pytest.mark.parametrize("chunk_size", ["auto", 5])
 def test_unmapped_python_values_in_control_flow(chunk_size):
-    ours = chunkop.vmap(_control_flow, in_axes=IN_AXES, chunk_size=chunk_size, memory_budget=1 << 12)(*ARGS)
+    budget = 1 << 12 if chunk_size == "auto" else None
+    ours = chunkop.vmap(_control_flow, in_axes=IN_AXES, chunk_size=chunk_size, memory_budget=budget)(*ARGS)
     np.testing.assert_allclose(ours, jax.vmap(_control_flow, in_axes=IN_AXES)(*ARGS), rtol=1e-6)
 
 
@@ -92,3 +93,55 @@ def test_plan_of_auto_transform_equals_what_the_call_uses():
     planned = chunkop.plan(f, X, 3.0)
     np.testing.assert_allclose(f(X, 3.0), jnp.mean(jnp.tanh(X * 3.0) ** 2), rtol=1e-6)
     assert f.last_plan == planned
+
+
+# -- arguments (issue #15, items 11 and 14) -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: chunkop.vmap(jnp.sin, chunk_size=4, memory_budget=1 << 20),
+        lambda: chunkop.sum(jnp.sin, chunk_size=None, memory_budget=1 << 20),
+        lambda: chunkop.RowOperator(
+            lambda r, x: r * x[0], jnp.ones(3), jax.ShapeDtypeStruct((2,), jnp.float32), chunk_size=2, memory_budget=64
+        ),
+    ],
+)
+def test_memory_budget_without_auto_is_refused(make):
+    with pytest.raises(ValueError, match=r"memory_budget.*only with chunk_size=\"auto\""):
+        make()
+
+
+def test_fractional_budget_below_one_byte_is_refused():
+    with pytest.raises(ValueError, match=r"memory_budget.*at least 1.*0\.5"):
+        chunkop.vmap(jnp.sin, chunk_size="auto", memory_budget=0.5)
+
+
+@pytest.mark.parametrize("jac", ["jacrev", "jacfwd"])
+def test_plan_of_auto_jacobians_is_the_call_plan(jac):
+    f = lambda x: jnp.tanh(jnp.outer(x, x)).sum(0)
+    x = jnp.linspace(0.0, 1.0, 128)
+    J = getattr(chunkop, jac)(f, chunk_size="auto", memory_budget=1 << 21)
+    planned = chunkop.plan(J, x)
+    assert planned.chunk is not None and planned.chunk < 128
+    np.testing.assert_allclose(J(x), getattr(jax, jac)(f)(x), rtol=1e-5, atol=1e-6)
+    assert J.last_plan == planned
+
+
+@pytest.mark.parametrize("jac", ["jacrev", "jacfwd"])
+def test_holomorphic_jacobians(jac):
+    f = lambda z: jnp.sin(z) * z[::-1] ** 2
+    z = jnp.array([1 + 2j, 0.5 - 1j, 2 + 0.1j], jnp.complex64)
+    ours = getattr(chunkop, jac)(f, chunk_size=2, holomorphic=True)(z)
+    np.testing.assert_allclose(ours, getattr(jax, jac)(f, holomorphic=True)(z), rtol=1e-5)
+    with pytest.raises(TypeError, match="holomorphic=True requires complex arguments"):
+        getattr(chunkop, jac)(f, chunk_size=2, holomorphic=True)(jnp.ones(3))
+
+
+def test_row_operator_with_no_rows_under_auto():
+    rows = {"idx": jnp.zeros((0,), jnp.int32), "w": jnp.zeros((0,))}
+    A = chunkop.RowOperator(lambda r, x: r["w"] * x[r["idx"]], rows, jax.ShapeDtypeStruct((4,), jnp.float32))
+    assert A.mv(jnp.ones(4)).shape == (0,)
+    np.testing.assert_array_equal(A.T.mv(jnp.ones(0)), jnp.zeros(4))
+    np.testing.assert_array_equal(jax.grad(lambda x: A.mv(x).sum())(jnp.ones(4)), jnp.zeros(4))

@@ -29,6 +29,7 @@ memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on acceler
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -130,9 +131,20 @@ def check_memory_budget(memory_budget: Any, where: str = "chunkop") -> int | Non
             f"{where}: `memory_budget` must be a positive number of bytes or None, got "
             f"{memory_budget!r} of type {type(memory_budget).__name__}."
         )
-    if not math.isfinite(memory_budget) or memory_budget <= 0:
-        raise ValueError(f"{where}: `memory_budget` must be a positive number of bytes, got {memory_budget!r}.")
+    if not math.isfinite(memory_budget) or memory_budget < 1:
+        raise ValueError(
+            f"{where}: `memory_budget` must be a positive number of bytes (at least 1), got {memory_budget!r}."
+        )
     return int(memory_budget)
+
+
+def check_budget_needs_auto(chunk_size: Any, memory_budget: Any, where: str) -> None:
+    """``memory_budget`` only means something with ``chunk_size="auto"``: refuse it otherwise."""
+    if memory_budget is not None and chunk_size != "auto":
+        raise ValueError(
+            f"{where}: `memory_budget` is used only with chunk_size=\"auto\" (it chooses the chunk), "
+            f"but chunk_size={chunk_size!r}; pass chunk_size=\"auto\", or drop memory_budget."
+        )
 
 
 def check_mode(mode: Any, where: str = "chunkop") -> str:
@@ -752,6 +764,9 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
         if target.budget_plan is None:
             raise TypeError('chunkop.plan: this RowOperator was not built with chunk_size="auto".')
         return target.budget_plan
+    if getattr(f, "chunk_size", None) == "auto" and hasattr(f, "jacobian_of"):  # chunkop.jacrev / jacfwd
+        jax.eval_shape(functools.partial(f, **kwargs), *args)  # plans (cached) what a call would; runs nothing
+        return f.last_plan
     if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "_flat_arguments"):
         raise TypeError(
             f'chunkop.plan: expected a chunkop transform made with chunk_size="auto" (or such a '

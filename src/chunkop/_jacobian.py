@@ -54,18 +54,31 @@ def _partial_args(fun: Callable, args: tuple, kwargs: dict, nums: tuple[int, ...
 
 
 def _differentiated(
-    fun: Callable, args: tuple, kwargs: dict, argnums: Any, where: str, real: bool
+    fun: Callable, args: tuple, kwargs: dict, argnums: Any, where: str, real: bool, holomorphic: bool = False
 ) -> tuple[Callable, tuple]:
     """Check ``argnums`` and the differentiated arguments; ``fun`` as a function of those alone."""
     nums = _check_argnums(argnums, len(args), where)
     dyn = tuple(args[i] for i in nums)
-    _check_float(dyn, where, "arguments", real=real)
+    if holomorphic:
+        _check_complex(dyn, where, "arguments")
+    else:
+        _check_float(dyn, where, "arguments", real=real)
     return _partial_args(fun, args, kwargs, nums), dyn
 
 
 def _basis(i: jax.Array, size: int, dtype: Any, unravel: Callable) -> Any:
     # A comparison rather than `zeros(size).at[i].set(1)`: the latter fails to trace for size 0.
     return unravel((jnp.arange(size) == i).astype(dtype))
+
+
+def _check_complex(tree: Any, where: str, what: str) -> None:
+    """With ``holomorphic=True`` inputs and outputs must be complex, as for ``jax.jacrev``/``jacfwd``."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.complexfloating):
+            raise TypeError(
+                f"{where}: holomorphic=True requires complex {what}, got dtype {jnp.result_type(leaf)}; "
+                f"use holomorphic=False for real functions."
+            )
 
 
 def _check_float(tree: Any, where: str, what: str, *, real: bool = False) -> None:
@@ -85,6 +98,7 @@ def jacrev(
     *,
     chunk_size: int | str,
     has_aux: bool = False,
+    holomorphic: bool = False,
     memory_budget: int | None = None,
 ) -> Callable:
     """``jax.jacrev`` that pulls back ``chunk_size`` output basis vectors at a time.
@@ -96,6 +110,7 @@ def jacrev(
         chunk_size: how many rows of the Jacobian are computed at once (a positive int), or
             ``"auto"`` to choose it from ``memory_budget``.
         has_aux: whether ``fun`` returns ``(output, aux)``.
+        holomorphic: as in ``jax.jacrev``: ``fun`` is holomorphic (complex inputs and outputs).
         memory_budget: bytes of temp memory for ``chunk_size="auto"`` (as in :func:`chunkop.vmap`).
 
     Returns:
@@ -114,19 +129,24 @@ def jacrev(
 
     @functools.wraps(fun)
     def jac(*args: Any, **kwargs: Any) -> Any:
-        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=False)
+        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=False, holomorphic=holomorphic)
         if has_aux:
             out, pullback, aux = jax.vjp(f, *dyn, has_aux=True)
         else:
             out, pullback = jax.vjp(f, *dyn)
-        _check_float(out, where, "outputs", real=True)
+        if holomorphic:
+            _check_complex(out, where, "outputs")
+        else:
+            _check_float(out, where, "outputs", real=True)
         flat_out, unravel = ravel_pytree(out)
         m = flat_out.size
-        rows = vmap(
+        pull = vmap(
             lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)),
             chunk_size=chunk_size,
             memory_budget=memory_budget,
-        )(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
+        )
+        rows = pull(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
+        jac.last_plan = pull.last_plan
         out_leaves, out_tree = jax.tree_util.tree_flatten(out)
         blocks, offset = [], 0
         for o in out_leaves:
@@ -138,6 +158,7 @@ def jacrev(
         result = jax.tree_util.tree_unflatten(out_tree, blocks)
         return (result, aux) if has_aux else result
 
+    jac.jacobian_of, jac.chunk_size, jac.last_plan = fun, chunk_size, None  # for chunkop.plan
     return jac
 
 
@@ -147,6 +168,7 @@ def jacfwd(
     *,
     chunk_size: int | str,
     has_aux: bool = False,
+    holomorphic: bool = False,
     memory_budget: int | None = None,
 ) -> Callable:
     """``jax.jacfwd`` that pushes ``chunk_size`` input basis vectors forward at a time.
@@ -158,6 +180,7 @@ def jacfwd(
         chunk_size: how many columns of the Jacobian are computed at once (a positive int), or
             ``"auto"`` to choose it from ``memory_budget``.
         has_aux: whether ``fun`` returns ``(output, aux)``.
+        holomorphic: as in ``jax.jacfwd``: ``fun`` is holomorphic (complex inputs and outputs).
         memory_budget: bytes of temp memory for ``chunk_size="auto"`` (as in :func:`chunkop.vmap`).
 
     Returns:
@@ -175,18 +198,22 @@ def jacfwd(
 
     @functools.wraps(fun)
     def jac(*args: Any, **kwargs: Any) -> Any:
-        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=True)
+        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=True, holomorphic=holomorphic)
         if has_aux:
-            _, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
+            out, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
         else:
-            _, pushforward = jax.linearize(f, *dyn)
+            out, pushforward = jax.linearize(f, *dyn)
+        if holomorphic:
+            _check_complex(out, where, "outputs")
         flat_in, unravel = ravel_pytree(dyn)
         n = flat_in.size
-        cols = vmap(
+        push = vmap(
             lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)),
             chunk_size=chunk_size,
             memory_budget=memory_budget,
-        )(jnp.arange(n))  # output tree; leaves (n, *out_leaf_shape)
+        )
+        cols = push(jnp.arange(n))  # output tree; leaves (n, *out_leaf_shape)
+        jac.last_plan = push.last_plan
         in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
 
         def split(c: jax.Array) -> Any:
@@ -202,4 +229,5 @@ def jacfwd(
         result = jax.tree_util.tree_map(split, cols)
         return (result, aux) if has_aux else result
 
+    jac.jacobian_of, jac.chunk_size, jac.last_plan = fun, chunk_size, None  # for chunkop.plan
     return jac

@@ -301,6 +301,11 @@ class RowOperator(AbstractRowOperator):
         n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
         progress = check_progress(progress, "RowOperator")
+        _budget.check_budget_needs_auto(
+            chunk_size, _budget.check_memory_budget(memory_budget, "RowOperator"), "RowOperator"
+        )
+        if chunk_size == "auto" and n_rows == 0:
+            chunk_size = 1  # nothing to plan: no row, no chunk
         if chunk_size == "auto":
             x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
             self.budget_plan = _budget.plan_rows(row_fn, rows, x_struct, memory_budget)

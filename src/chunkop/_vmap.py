@@ -140,6 +140,7 @@ class _Chunked(abc.ABC):
         self.in_axes = check_in_axes_spec(in_axes, self.where)
         self.chunk_size = _budget.check_chunk_size_or_auto(chunk_size, where=self.where)
         self.memory_budget = _budget.check_memory_budget(memory_budget, self.where)
+        _budget.check_budget_needs_auto(self.chunk_size, self.memory_budget, self.where)
         self.last_plan: _budget.BudgetPlan | None = None  # set by chunk_size="auto" calls
         self.axis_name = axis_name
         self.axis_size = check_axis_size(axis_size, self.where)
