@@ -38,6 +38,9 @@ _PUBLIC = {
     "gram_diagonal",
     "to_scipy",
     "clear_caches",
+    "settings",
+    "configure",
+    "Settings",
     "plan",
     "BudgetPlan",
 }

@@ -86,7 +86,7 @@ def test_choose_chunk_throughput_cap():
     # nothing fits the cap but something fits the budget: the least-memory chunk, no error
     plan = _budget.choose_chunk(lambda c: 50_000 + c, n=1000, budget=60_000, cap=10_000)
     assert plan.chunk is not None and plan.compiled_bytes <= 60_000
-    assert _budget.throughput_cap() == _budget.CPU_TEMP_CAP  # the tests run on CPU
+    assert _budget.throughput_cap() == chunkop.settings().cpu_temp_cap  # the tests run on CPU
 
 
 def test_default_budget_is_a_fraction_of_free_memory():
@@ -95,7 +95,8 @@ def test_default_budget_is_a_fraction_of_free_memory():
     budget = _budget.default_budget()
     # rounded down to 3 significant bits: within (3/4, 1] of the fraction (free memory moves a little
     # between the two reads)
-    assert 0.7 * _budget.DEFAULT_FRACTION * free < budget <= 1.05 * _budget.DEFAULT_FRACTION * free
+    fraction = chunkop.settings().budget_fraction
+    assert 0.7 * fraction * free < budget <= 1.05 * fraction * free
     assert bin(budget).rstrip("0").count("1") <= 3  # few significant bits: stable from call to call
 
 

@@ -217,3 +217,21 @@ def test_integer_reductions_follow_jnp(reduce):
     np.testing.assert_array_equal(ours, ref)
     if reduce == "mean":
         np.testing.assert_allclose(ours, 2e9, rtol=1e-6)  # not int32 wrap-around (-1.47e8)
+
+
+def test_clear_caches_empties_plans_too_and_settings_bound_the_loop_cache():
+    from chunkop import _budget
+
+    f = chunkop.sum(lambda xi: jnp.tanh(xi) ** 2, chunk_size="auto", memory_budget=1 << 20)
+    f(X)
+    assert _budget._PLANS and _cache._LOOPS
+    chunkop.clear_caches()
+    assert not _budget._PLANS and not _cache._LOOPS
+    old = chunkop.configure(loop_cache_size=2)
+    try:
+        for k in range(4):  # four different loops (different unmapped shapes)
+            chunkop.vmap(lambda xi, w: xi * w, in_axes=(0, None), chunk_size=3)(X, jnp.ones(k + 1))
+        assert len(_cache._LOOPS) == 2
+    finally:
+        chunkop.configure(**old._asdict())
+    assert chunkop.settings() == old

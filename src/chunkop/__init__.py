@@ -9,6 +9,7 @@ from ._jacobian import jacfwd, jacrev
 from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
 from ._reduce import mean, sum
 from ._scipy import to_scipy
+from ._settings import Settings, configure, settings
 from ._vmap import map, vmap
 
 __version__ = "0.1.0"
@@ -27,6 +28,9 @@ __all__ = [
     "gram_diagonal",
     "to_scipy",
     "clear_caches",
+    "settings",
+    "configure",
+    "Settings",
     "plan",
     "BudgetPlan",
     "__version__",

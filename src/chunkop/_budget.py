@@ -21,10 +21,10 @@ called inside a user's ``jax.grad`` cannot always know, when it plans, which tra
 applied; and also the Hessian-vector product when the arguments arrive traced under two
 forward-mode levels (:func:`plan_mode`).
 
-The default budget (:func:`default_budget`) is ``DEFAULT_FRACTION`` of the device's free
+The default budget (:func:`default_budget`) is ``chunkop.settings().budget_fraction`` of the device's free
 memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on accelerators, and
 ``MemAvailable`` from ``/proc/meminfo`` on CPU. On CPU the search also aims no higher than
-:data:`CPU_TEMP_CAP` (cache-sized chunks are faster there).
+``chunkop.settings().cpu_temp_cap`` (cache-sized chunks are faster there).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from ._axes import replace_at
+from ._cache import register_cache
 from ._chunking import make_plan
+from ._settings import settings
 
 __all__ = [
-    "DEFAULT_FRACTION",
     "MODES",
     "BudgetPlan",
     "choose_chunk",
@@ -54,19 +55,16 @@ __all__ = [
     "program_temp_bytes",
 ]
 
-#: Fraction of the free device memory used as the default budget for temp buffers.
-DEFAULT_FRACTION = 0.5
 
 #: The transforms a plan can cover: the forward program only, the worst of forward and VJP
 #: (default; what ``jax.grad`` compiles), or those and a Hessian-vector product.
 MODES = ("forward", "grad", "hvp")
 
-#: On CPU, chunking is also a throughput optimisation: chunks whose working set stays near the
-#: caches run faster than one large vectorised pass (measured, benchmarks/RESULTS.md: a 4-layer
-#: MLP's grad at N = 65536 ran 1.27x faster than jax.vmap at chunk 1024, 4.8 MiB of temp, and
-#: 1.20x at chunk 4096, 17.5 MiB). So on CPU the planner aims at ``min(budget, CPU_TEMP_CAP)``.
-#: Accelerators get no cap: the largest chunk within the budget.
-CPU_TEMP_CAP = 16 * 2**20
+# On CPU, chunking is also a throughput optimisation: chunks whose working set stays near the
+# caches run faster than one large vectorised pass (benchmarks/results/vmap.json: a 4-layer MLP's
+# grad at N = 65536 ran 1.21x jax.vmap's speed at chunk 1024, 4.8 MiB of temp, and 1.27-1.96x at
+# chunk 4096, 17.5 MiB). So on CPU the planner aims at min(budget, settings().cpu_temp_cap)
+# (16 MiB by default, chunkop.configure changes it). Accelerators get no cap.
 
 _MAX_VERIFY = 6  # compiles after the two probes before falling back to halving
 
@@ -84,7 +82,7 @@ class BudgetPlan(NamedTuple):
             model was needed, i.e. the unchunked program fits).
         compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``.
         probes: every ``(chunk, temp_bytes)`` compiled while planning, in order.
-        cap: the throughput cap the search aimed at, if any (:data:`CPU_TEMP_CAP` on CPU).
+        cap: the throughput cap the search aimed at, if any (``chunkop.settings().cpu_temp_cap`` on CPU).
         shards: the number of devices the axis is sharded over (1: not sharded); each device
             chunks its own ``size`` elements. ``global_size`` is the whole axis,
             ``size * shards``.
@@ -142,8 +140,8 @@ def check_budget_needs_auto(chunk_size: Any, memory_budget: Any, where: str) -> 
     """``memory_budget`` only means something with ``chunk_size="auto"``: refuse it otherwise."""
     if memory_budget is not None and chunk_size != "auto":
         raise ValueError(
-            f"{where}: `memory_budget` is used only with chunk_size=\"auto\" (it chooses the chunk), "
-            f"but chunk_size={chunk_size!r}; pass chunk_size=\"auto\", or drop memory_budget."
+            f'{where}: `memory_budget` is used only with chunk_size="auto" (it chooses the chunk), '
+            f'but chunk_size={chunk_size!r}; pass chunk_size="auto", or drop memory_budget.'
         )
 
 
@@ -194,13 +192,13 @@ def free_memory(device: Any = None) -> int:
 
 
 def throughput_cap(device: Any = None) -> int | None:
-    """:data:`CPU_TEMP_CAP` on a CPU device, None elsewhere (see the constant's note)."""
+    """``chunkop.settings().cpu_temp_cap`` on a CPU device, None elsewhere (see the note above)."""
     device = jax.local_devices()[0] if device is None else device
-    return CPU_TEMP_CAP if device.platform == "cpu" else None
+    return settings().cpu_temp_cap if device.platform == "cpu" else None
 
 
 def default_budget(device: Any = None) -> int:
-    """The default memory budget: ``DEFAULT_FRACTION`` (0.5) of :func:`free_memory`, rounded down
+    """The default memory budget: ``chunkop.settings().budget_fraction`` (0.5) of :func:`free_memory`, rounded down
     to three significant binary digits (e.g. 11.5 GB -> 10 GiB).
 
     The rounding keeps the budget, and so the plans cached under it, the same from call to call
@@ -217,7 +215,7 @@ def default_budget(device: Any = None) -> int:
         >>> 0 < default_budget() <= free_memory()
         True
     """
-    budget = max(1, int(DEFAULT_FRACTION * free_memory(device)))
+    budget = max(1, int(settings().budget_fraction * free_memory(device)))
     unit = 1 << max(0, budget.bit_length() - 3)
     return budget - budget % unit
 
@@ -451,7 +449,7 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
 
 
 _PLANS: dict = {}
-_MAX_PLANS = 512
+register_cache(_PLANS.clear)
 
 
 def cached_plan(key: Any, compute: Callable[[], BudgetPlan]) -> BudgetPlan:
@@ -463,7 +461,7 @@ def cached_plan(key: Any, compute: Callable[[], BudgetPlan]) -> BudgetPlan:
     plan = _PLANS.get(key)
     if plan is None:
         plan = compute()
-        if len(_PLANS) >= _MAX_PLANS:
+        while _PLANS and len(_PLANS) >= settings().plan_cache_size:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = plan
     return plan

@@ -21,7 +21,7 @@ program runs, so what it reads then is never stale. Floats are keyed by their bi
 baked into a sub-jaxpr or a rule, an unhashable parameter) makes the call run uncached: correct,
 compiled afresh, and never kept.
 
-The cache is a bounded LRU (:data:`MAX_ENTRIES` loops). It holds jaxprs without their
+The cache is a bounded LRU (``chunkop.settings().loop_cache_size`` loops, 128 by default). It holds jaxprs without their
 top-level constants (those are hoisted and passed as arguments), so it keeps alive only what
 the custom rules and callbacks of at most that many loops hold. :func:`clear_caches` empties it.
 """
@@ -42,6 +42,8 @@ import numpy as np
 from jax._src import linear_util as _lu  # WrappedFun: how JAX holds custom rules in a jaxpr
 from jax.extend import core as jex_core
 
+from ._settings import settings
+
 __all__ = [
     "Uncacheable",
     "ClosesOverTracer",
@@ -50,10 +52,8 @@ __all__ = [
     "value_key",
     "cached",
     "clear_caches",
-    "MAX_ENTRIES",
+    "register_cache",
 ]
-
-MAX_ENTRIES = 128
 
 
 class Uncacheable(Exception):
@@ -437,16 +437,25 @@ def cached(key: Hashable, make: Callable[[], Callable]) -> Callable:
     loop = make()
     with _LOCK:
         _LOOPS[key] = loop
-        while len(_LOOPS) > MAX_ENTRIES:
+        while len(_LOOPS) > settings().loop_cache_size:
             _LOOPS.popitem(last=False)
     return loop
 
 
-def clear_caches() -> None:
-    """Drop every compiled chunk loop chunkop holds (their compiled programs go with them).
+_CLEARERS: list[Callable[[], None]] = []
 
-    chunkop never keys a cache by a user function, so this is never needed for correctness;
-    it frees memory (the cache is bounded to ``MAX_ENTRIES`` loops in any case).
+
+def register_cache(clear: Callable[[], None]) -> None:
+    """Register another cache's ``clear`` with :func:`clear_caches` (plans, chunk plans ...)."""
+    _CLEARERS.append(clear)
+
+
+def clear_caches() -> None:
+    """Drop everything chunkop caches: compiled chunk loops, ``"auto"`` plans, chunk plans.
+
+    chunkop keys its caches by what was traced, never by a user function, so this is never
+    needed for correctness; it frees memory (the caches are bounded in any case, see
+    :func:`chunkop.settings`), and makes ``"auto"`` plan again (after :func:`chunkop.configure`).
 
     Example:
         >>> import chunkop
@@ -454,3 +463,5 @@ def clear_caches() -> None:
     """
     with _LOCK:
         _LOOPS.clear()
+    for clear in _CLEARERS:
+        clear()

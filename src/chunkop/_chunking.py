@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ._cache import register_cache
 from ._progress import Progress, progress_hook
 
 __all__ = [
@@ -85,7 +86,7 @@ def _divisors(n: int) -> list[int]:
     return small + [n // d for d in small]
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024)  # registered with clear_caches below
 def make_plan(size: int, chunk: int) -> ChunkPlan:
     """The plan for ``size`` elements in chunks of at most ``chunk`` (``chunk`` is clipped to ``size``).
 
@@ -106,6 +107,9 @@ def make_plan(size: int, chunk: int) -> ChunkPlan:
         chunk = max([d for d in _divisors(size) if 4 * d >= 3 * chunk and d <= chunk], default=chunk)
     n_full, rem = divmod(size, chunk)
     return ChunkPlan(size, chunk, n_full, rem)
+
+
+register_cache(make_plan.cache_clear)
 
 
 def rematerialise(fn: Callable, remat: Remat) -> Callable:

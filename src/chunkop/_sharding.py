@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._axes import flat_out_axes
+from ._cache import register_cache
 
 __all__ = [
     "MeshAxes",
@@ -364,6 +365,9 @@ def _normalised(struct: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     in that form for ``A.T @ A + lam * lx.IdentityLinearOperator(A.in_structure())``."""
     out = jax.eval_shape(lambda v: v, struct)
     return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
+
+
+register_cache(_normalised.cache_clear)
 
 
 def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
