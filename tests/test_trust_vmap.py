@@ -436,7 +436,7 @@ def test_custom_vmap_rule_closing_over_a_value():
         assert_tree_allclose(chunkop.vmap(make(c), chunk_size=3)(xs), jax.vmap(make(c))(xs))
 
 
-def test_custom_vjp3_flag_gives_a_clear_error_and_remat_false_works():
+def test_custom_vjp3_flag_runs_forward_refuses_derivatives_clearly_and_remat_false_works():
     xs = jnp.arange(float(N))
     old = jax.config.jax_custom_vjp3
     jax.config.update("jax_custom_vjp3", True)
@@ -447,6 +447,9 @@ def test_custom_vjp3_flag_gives_a_clear_error_and_remat_false_works():
             return jnp.sin(x)
 
         g.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (jnp.cos(x) * ct,))
+        assert_tree_allclose(chunkop.vmap(g, chunk_size=3)(xs), jnp.sin(xs))  # forward runs, as jax.vmap
+        assert_tree_allclose(jax.jit(chunkop.vmap(g, chunk_size=3))(xs), jnp.sin(xs))
+        assert_tree_allclose(chunkop.sum(g, chunk_size="auto", memory_budget=1 << 20)(xs), jnp.sin(xs).sum())
         with pytest.raises(ValueError, match=r"jax_custom_vjp3 .* remat=False"):
             jax.grad(lambda x: chunkop.vmap(g, chunk_size=3)(x).sum())(xs)
         got = jax.grad(lambda x: chunkop.vmap(g, chunk_size=3, remat=False)(x).sum())(xs)

@@ -556,7 +556,7 @@ def plan_traced(wrapper: Any, traced: Any, spec: Any, mapped: list, n: int) -> B
     leaves = [*traced.consts, *mapped]
     budget = wrapper.memory_budget if wrapper.memory_budget is not None else default_budget()
     budget = max(1, budget // enclosing_batch(leaves))
-    mode = plan_mode(leaves)
+    mode = "forward" if traced.derivative_error else plan_mode(leaves)  # (it cannot be differentiated)
     k = len(traced.consts)
     probe_spec = spec._replace(progress=None)
 

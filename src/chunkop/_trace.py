@@ -46,6 +46,9 @@ class Traced(NamedTuple):
         stageable: False when a custom rule in the jaxpr closes over a tracer of an enclosing
             transform: then the chunks must run without a staging boundary (see
             :class:`chunkop._cache.ClosesOverTracer`).
+        derivative_error: when set, the compiled loop runs forward but cannot be differentiated
+            (``jax_custom_vjp3`` with a ``custom_vjp`` under remat): differentiating it raises a
+            ``ValueError`` with this message.
     """
 
     jaxpr: Any
@@ -53,6 +56,7 @@ class Traced(NamedTuple):
     out_shapes: Any
     key: Hashable | None
     stageable: bool = True
+    derivative_error: str | None = None
 
 
 def _example_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
@@ -301,18 +305,19 @@ def trace_example(
         closed = jax.make_jaxpr(lambda *ex: _eval_inlining_jits(inner.jaxpr, inner.consts, *ex), axis_env=env)(*structs)
     if axis_name is not None:
         _check_collectives(closed, axis_name, n, chunk_size, where)
+    refusal = None
     if jax.config.jax_custom_vjp3 and remat is not False and _has_eqn(closed.jaxpr, _is_custom_vjp):
-        raise ValueError(
+        refusal = (
             f"{where}: `fun` calls a jax.custom_vjp function while jax_custom_vjp3 is enabled; under "
             f"that flag JAX cannot differentiate jax.checkpoint around jax.vmap of a custom_vjp "
-            f"function (in any order), which chunking with remat needs. Pass remat=False (reverse "
-            f"mode then stores every chunk's residuals), or disable the flag with "
-            f'jax.config.update("jax_custom_vjp3", False).'
+            f"function (in any order), which chunking with remat needs to differentiate. Pass "
+            f"remat=False (reverse mode then stores every chunk's residuals), or disable the flag "
+            f'with jax.config.update("jax_custom_vjp3", False). (Without derivatives it runs.)'
         )
     try:
         key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes))
     except ClosesOverTracer:
-        return Traced(closed.jaxpr, list(closed.consts), out_shapes, None, stageable=False)
+        return Traced(closed.jaxpr, list(closed.consts), out_shapes, None, False, refusal)
     except Uncacheable:
         key = None
-    return Traced(closed.jaxpr, list(closed.consts), out_shapes, key)
+    return Traced(closed.jaxpr, list(closed.consts), out_shapes, key, True, refusal)

@@ -69,6 +69,20 @@ def _chunk_vmap(jaxpr: Any, spec: LoopSpec, wide: list, consts: list, out_axes: 
     return jax.vmap(one, in_axes=0, out_axes=out_axes, axis_size=m, spmd_axis_name=spec.spmd_axis_name)
 
 
+def _refusing_derivatives(loop: Callable, message: str) -> Callable:
+    """``loop`` unchanged forward; its JVP (so any derivative through it) raises ``message``."""
+
+    @jax.custom_jvp
+    def guarded(consts: list, mapped: list) -> Any:
+        return loop(consts, mapped)
+
+    @guarded.defjvp
+    def _(primals: tuple, tangents: tuple) -> Any:
+        raise ValueError(message)
+
+    return guarded
+
+
 def _moved(mapped: list, axes: tuple) -> list:
     return [jnp.moveaxis(x, a, 0) if a else x for x, a in zip(mapped, axes)]
 
@@ -203,6 +217,8 @@ class _Chunked(abc.ABC):
             return self._join(self._unstaged_chunks(leaves, treedef, axes, n, chunk), traced.out_shapes, n)
         make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
         loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
+        if traced.derivative_error is not None:
+            loop = _refusing_derivatives(loop, traced.derivative_error)
         return loop(traced.consts, [leaves[i] for i in mapped])
 
     def _unstaged_chunks(self, leaves: list, treedef: Any, axes: list, n: int, chunk: int) -> list:
