@@ -273,3 +273,23 @@ def test_budget_too_small_is_a_clear_error(mlp_data):
     f = chunkop.vmap(mlp, in_axes=(None, 0), chunk_size="auto", memory_budget=1000)
     with pytest.raises(ValueError, match=r"memory_budget.*too small"):
         f(w, xs)
+
+
+def test_choose_chunk_large_axis_skips_the_whole_compile_and_never_compiles_a_loop_twice():
+    """First use: each probe is a compile. At 131072 rows a 16 MiB cap is reached in 3 probes
+    (256, 1024, 4096: within 80% of the budget), not 8 (the whole axis first, then 4096 three times
+    as asked-for chunks 4369, ... that the divisor-aware plan runs as 4096)."""
+    calls = []
+
+    def temp(c):
+        calls.append(c)
+        return 3400 * c + 20_000
+
+    plan = _budget.choose_chunk(temp, n=131072, budget=10 * 2**30, cap=16 * 2**20)
+    assert 131072 not in calls  # predicted far over the cap: never compiled whole
+    assert len(calls) == len(set(calls)) <= 4, calls
+    assert 0.8 * 16 * 2**20 <= plan.compiled_bytes <= 16 * 2**20
+    # and a large axis predicted to fit is compiled whole, and taken
+    calls.clear()
+    assert _budget.choose_chunk(temp, n=131072, budget=2**30).chunk is None
+    assert calls[-1] == 131072

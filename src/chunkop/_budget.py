@@ -228,8 +228,9 @@ def choose_chunk(
     Args:
         temp_bytes: ``temp_bytes(chunk) -> int``, the compiled temp memory (bytes) of the
             program at ``chunk`` (``chunk == n`` meaning unchunked). It is called a few times
-            (one compile each): once at ``n``, and if that is over the budget at two probe
-            chunks and at each candidate.
+            (one compile each, never twice for chunks that run the same loop): at ``n`` (for a
+            large axis only when two probe chunks predict that it may fit), at the two probes,
+            and at each candidate until one is within 80-100% of the budget.
         n: the size of the mapped axis (positive).
         budget: the budget in bytes.
         mode: recorded in the plan (what ``temp_bytes`` measures).
@@ -258,9 +259,10 @@ def choose_chunk(
         return c if c >= n else make_plan(n, c).chunk
 
     def measure(c: int) -> int:
+        c = effective(c)  # asked-for chunks that run the same loop are compiled once
         if c not in measured:
-            measured[c] = int(temp_bytes(effective(c)))
-            probes.append((effective(c), measured[c]))
+            measured[c] = int(temp_bytes(c))
+            probes.append((c, measured[c]))
         return measured[c]
 
     def plan(c: int | None, predicted: int | None, compiled: int) -> BudgetPlan:
@@ -269,16 +271,23 @@ def choose_chunk(
 
     user_budget, budget = budget, budget if cap is None else min(budget, cap)
 
-    whole = measure(n)
-    if whole <= budget or (n == 1 and whole <= user_budget):
+    # Two probes well inside the axis, then a bracketing search: linear interpolation between the
+    # largest chunk within the budget and the smallest over it (extrapolation while one is missing).
+    # A small axis is compiled whole first (it may fit); a large one (over 16 probes of 256) only
+    # when the probes' line predicts it might fit, since each compile is a planning cost.
+    c1 = max(1, min(n // 16, 256))
+    c2 = max(c1 + 1, min(n // 2, 4 * c1))
+    if n > 16 * 256:
+        b1, b2 = measure(c1), measure(c2)
+        c1e, c2e = effective(c1), effective(c2)
+        predicted_whole = b2 + (b2 - b1) / max(1, c2e - c1e) * (n - c2e)
+        whole = measure(n) if predicted_whole <= 1.25 * budget else None
+    else:
+        whole = measure(n)
+    if whole is not None and (whole <= budget or (n == 1 and whole <= user_budget)):
         return plan(None, None, whole)
     if n == 1:
         raise _too_small(user_budget, n, (1, whole), mode)
-
-    # Two probes well inside the axis, then a bracketing search: linear interpolation between the
-    # largest chunk within the budget and the smallest over it (extrapolation while one is missing).
-    c1 = max(1, min(n // 16, 256))
-    c2 = max(c1 + 1, min(n // 2, 4 * c1))
     measure(c1)
     measure(c2)
     predictions: dict[int, int] = {}  # the model's prediction at each candidate, before compiling it
@@ -304,9 +313,9 @@ def choose_chunk(
         c = _candidate(n, target, low)
         if c in measured:
             break
-        predictions[c] = round(ba + slope * (c - ca))
+        predictions[effective(c)] = round(ba + slope * (effective(c) - ca))
         b = measure(c)
-        if b <= budget and b >= 0.9 * budget:
+        if b <= budget and b >= 0.8 * budget:  # close enough: another compile costs more than it gains
             break
 
     inside = sorted((c, b) for c, b in measured.items() if b <= budget and c < n)
