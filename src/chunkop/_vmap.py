@@ -338,9 +338,11 @@ def vmap(
     """``jax.vmap`` that computes the mapped axis in sequential chunks of at most ``chunk_size``.
 
     The result equals ``jax.vmap(fun, in_axes, out_axes, ...)`` (up to float reduction order).
-    The mapped axis of size ``n`` is cut into ``n // chunk_size`` chunks run by one
-    ``jax.lax.scan`` plus one remainder chunk of ``n % chunk_size`` elements; each chunk is
-    vectorised with ``jax.vmap``. With ``remat=True`` (default) each chunk is wrapped in
+    The mapped axis of size ``n`` is cut into chunks of at most ``chunk_size`` run by one
+    ``jax.lax.scan``: equal chunks when a divisor of ``n`` lies in ``[3/4 chunk_size,
+    chunk_size]`` (20000 in chunks of 4096 runs as 5 x 4000), else ``n // chunk_size`` chunks
+    plus one remainder chunk of ``n % chunk_size`` elements; each chunk is vectorised with
+    ``jax.vmap``. With ``remat=True`` (default) each chunk is wrapped in
     ``jax.checkpoint``, so under ``grad``/``vjp``/``hessian`` the backward pass stores only the
     chunk inputs and recomputes one chunk at a time: temp memory is bounded by the chunk, not by
     ``n`` (apart from the per-example outputs themselves). When ``n % chunk_size != 0`` the scan
@@ -349,12 +351,15 @@ def vmap(
     ``jax.vmap``.
 
     Tracing: when chunking, each call traces ``fun`` once on one abstract example (as
-    ``jax.vmap`` traces it once per call), so results always reflect the state at call time.
+    ``jax.vmap`` traces it once per call; ``chunk_size="auto"`` plans on that same trace), so
+    results always reflect the state at call time. Operations on unmapped concrete values alone
+    are computed while tracing, as under ``jax.vmap`` (``if float(w.sum()) > 0:`` works).
     Arrays ``fun`` closes over, unmapped array arguments and tracers of enclosing transforms are
     hoisted out of that trace and passed to the compiled chunk loop as arguments (closure
     conversion); the loop is cached by what was traced (the jaxpr's structure, shapes and
-    dtypes), never by ``fun``, so repeated calls compile once. Unmapped non-array arguments
-    reach ``fun`` as ``jax.vmap`` passes them. See :func:`chunkop.clear_caches`.
+    dtypes; ``custom_jvp``/``custom_vjp`` rules by what they trace to), never by ``fun``, so
+    repeated calls compile once. Unmapped non-array arguments reach ``fun`` as ``jax.vmap``
+    passes them. See :func:`chunkop.clear_caches`.
 
     Collectives over ``axis_name`` (``psum`` of mapped values, ``axis_index``, ``all_gather``
     ...) cannot be computed chunk by chunk; ``fun`` using one with ``chunk_size < n`` raises
@@ -371,7 +376,8 @@ def vmap(
             ``"auto"`` for the largest chunk whose compiled temp memory (forward and VJP;
             also the Hessian-vector product when called under two ``jvp`` levels) fits
             ``memory_budget``, found from XLA's memory analysis once per call signature
-            (no chunking when the whole axis fits). See ``docs/scaling.md``.
+            (no chunking when the whole axis fits). Under an enclosing ``jax.vmap`` the budget
+            is shared by its batch. See ``docs/scaling.md``.
         axis_name: name of the mapped axis, for collectives (see above).
         axis_size: size of the mapped axis; needed only when no argument is mapped.
         spmd_axis_name: passed to the per-chunk ``jax.vmap``.
@@ -384,8 +390,9 @@ def vmap(
             remainder counts as one; under ``vmap`` it may be called repeatedly with the same
             ``k``; reports are asynchronous, ``jax.effects_barrier()`` waits for them). None or
             False (default): nothing is added to the program. No report when not chunking.
-        memory_budget: bytes of temp memory for ``chunk_size="auto"``; None for half the
-            device's free memory (``chunkop._budget.default_budget``).
+        memory_budget: bytes of temp memory for ``chunk_size="auto"`` (only then: with
+            another ``chunk_size`` it is refused); None for ``chunkop.settings().budget_fraction``
+            (half) of the device's free memory.
 
     Returns:
         A function with ``fun``'s signature whose outputs have the mapped axis at ``out_axes``.
