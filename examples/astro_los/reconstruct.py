@@ -245,7 +245,7 @@ def solve(
     recorder: Recorder | None,
     stabilise_every: int | None = 10,
 ):
-    """Jacobi-preconditioned ``lineax.CG`` on the normal equations; returns ``(z, result, steps)``.
+    """Jacobi-preconditioned ``lineax.CG`` on the normal equations; returns ``(z, steps, result)``.
 
     With ``rtol=0`` and ``stabilise_every=None`` (the seed run: a fixed, small number of
     iterations) CG's loop carries the fewest sky-sized arrays (5 + the right-hand side).
@@ -256,7 +256,271 @@ def solve(
     b_norm = jnp.sqrt(jnp.sum(b * b))
     solver = lx.CG(rtol=rtol, atol=0.0, max_steps=iters, stabilise_every=stabilise_every)
     sol = lx.linear_solve(H, b / b_norm, solver, options={"preconditioner": M}, throw=False)
-    return sol.value * b_norm, sol.result, sol.stats["num_steps"]
+    return sol.value * b_norm, sol.stats["num_steps"], sol.result
+
+
+# -- a prior given by its covariance: the channel-space and data-space solves -------------------
+#
+# z (the relative deviation from the prior mean, sky = mu (1 + z)) is a sum of channels, each a
+# plane-of-sky Gaussian random field (a stationary covariance on the periodic nx x ny grid, applied
+# by FFT) times a fixed radial profile:
+#
+#     z[p, k] = sum_c zeta_c[p] U[k, c],     zeta_c ~ N(0, C_c) independent, C_c(0) = 1,
+#
+# so S = Cov(z) = sum_c C_c (x) U_c U_c^T. Channel 0 is constant along the line of sight (the
+# truth's plane-of-sky field g); the others are the leading eigenvectors of the radial covariance
+# of the truth's clouds. With B = A diag(mu), the posterior mean is
+#
+#     z = S B^T (B S B^T + sigma^2 I)^-1 (y - A mu)              (data space: n_los unknowns)
+#       = C^1/2 xi,  (I + C^1/2 Bu^T Bu C^1/2 / sigma^2) xi = C^1/2 Bu^T (y - A mu) / sigma^2
+#                                                                (whitened channels: n_pix x C)
+#
+# where Bu (zeta -> A (mu * zeta U^T)) is a RowOperator on A's rows whose weights are projected on
+# the radial profiles ((w * mu) @ U: n_bins -> C numbers per line, recomputed chunk by chunk).
+# Neither solve forms a sky: a step is one Bu.T.mv, FFTs on (n_pix, C) arrays and one Bu.mv; the
+# one sky-sized array is the answer, mu (1 + zeta U^T).
+
+
+def _gauss_corr(nx: int, ny: int, corr: float) -> np.ndarray:
+    """Correlation function (``(nx, ny)``, periodic lags) of white noise filtered by the Gaussian
+    kernel of sd ``corr`` pixels and normalised to zero mean, as ``los._smooth_field`` draws the
+    truth's plane-of-sky field: its power is the kernel's squared transform, zero at ``k = 0``."""
+    kx, ky = np.fft.fftfreq(nx)[:, None], np.fft.fftfreq(ny)[None, :]
+    power = np.exp(-((2 * np.pi * corr) ** 2) * (kx**2 + ky**2))
+    power[0, 0] = 0.0
+    c = np.fft.ifft2(power).real
+    return c / c[0, 0]
+
+
+def _unit_power(cov: np.ndarray) -> np.ndarray:
+    """The rfft2-layout power (``(nx, ny // 2 + 1)``) of a periodic stationary covariance function,
+    clipped at 0 and scaled to unit variance (mean power 1)."""
+    p = np.maximum(np.fft.fft2(cov).real, 0.0)
+    p /= p.mean()
+    return p[:, : cov.shape[1] // 2 + 1]
+
+
+def covariance_prior(P: los.Problem, n_cloud_modes: int = 12) -> dict:
+    """The prior covariance ``S`` of ``z``, matched to how ``los.make_problem`` draws the truth.
+
+    The truth is ``sky = rho(r) exp(g + clouds)``, the prior mean ``mu = rho exp(g_sd^2 / 2)``:
+
+    * ``g``: a periodic Gaussian random field of sd ``g_sd`` and correlation ``rho_g`` (white noise
+      filtered by a Gaussian kernel of sd ``max(nx, ny) / 8`` pixels), constant along the line of
+      sight. Its share of ``z``, ``exp(g - g_sd^2 / 2) - 1``, has covariance
+      ``exp(g_sd^2 rho_g) - 1`` exactly: channel 0, radial profile 1.
+    * six clouds ``a exp(-|x - x_j|^2 / 2 w^2) exp(-(ln r - l_j)^2 / 2 0.25^2)`` with
+      ``a ~ U(0.4, 0.9)``, ``w ~ U(0.05, 0.12) max(nx, ny)``, ``l_j ~ U(ln 60, ln 800)``: the second
+      moment of their share of ``z`` (``~ (e^a - 1) blob``), averaged over positions, is
+      ``6 E[(e^a - 1)^2] E_w[blob_xy * blob_xy](delta) K_r`` with
+      ``K_r[k, k'] = E_l[blob_r(k; l) blob_r(k'; l)]``; channels 1.. are ``K_r``'s leading
+      ``n_cloud_modes`` eigenvectors (times the square roots of their eigenvalues), all with the
+      plane-of-sky covariance ``E_w[pi w^2 exp(-|delta|^2 / 4 w^2)] / (nx ny)``.
+
+    Returns ``U`` (``(n_bins, n_channels)`` float32) and ``power`` (``(nx, ny // 2 + 1,
+    n_channels)`` float32, each channel of unit variance), and a few numbers for the report.
+    The mean of the clouds and the product ``z_g z_clouds`` are left out (a Gaussian prior).
+    """
+    nx, ny = P.nx, P.ny
+    g_sd = float(P.field["g_sd"])
+    lr = np.log(P.centres)
+    # channel 0: exp(g - g_sd^2/2) - 1
+    cov_g = np.expm1(g_sd**2 * _gauss_corr(nx, ny, max(nx, ny) / 8.0))
+    # clouds: plane-of-sky autocovariance of a blob, averaged over the widths (periodic lags)
+    dx = np.minimum(np.arange(nx), nx - np.arange(nx))[:, None].astype(float)
+    dy = np.minimum(np.arange(ny), ny - np.arange(ny))[None, :].astype(float)
+    ws = np.linspace(0.05, 0.12, 15) * max(nx, ny)
+    cov_c = np.mean([np.pi * w**2 * np.exp(-(dx**2 + dy**2) / (4 * w**2)) for w in ws], axis=0) / (nx * ny)
+    a = np.linspace(0.4, 0.9, 201)
+    var_c = 6 * float(np.mean(np.expm1(a) ** 2)) * min(1.0, float(cov_c[0, 0]))
+    centres = np.linspace(np.log(60.0), np.log(800.0), 200)
+    blob_r = np.exp(-0.5 * ((lr[None, :] - centres[:, None]) / 0.25) ** 2)  # (n_centres, n_bins)
+    K_r = var_c * (blob_r.T @ blob_r) / centres.size
+    lam, vec = np.linalg.eigh(K_r)
+    order = np.argsort(lam)[::-1][:n_cloud_modes]
+    U_cloud = vec[:, order] * np.sqrt(np.maximum(lam[order], 0.0))
+    U = np.concatenate([np.full((P.n_bins, 1), np.sqrt(cov_g[0, 0])), U_cloud], axis=1)
+    p_g, p_c = _unit_power(cov_g), _unit_power(cov_c)
+    power = np.stack([p_g] + [p_c] * U_cloud.shape[1], axis=-1)
+    return {
+        "U": jnp.asarray(U, jnp.float32),
+        "power": jnp.asarray(power, jnp.float32),
+        "n_channels": int(U.shape[1]),
+        "sd_g": float(U[0, 0]),
+        "cloud_var": var_c,
+        "cloud_eigenvalues": [float(v) for v in lam[order]],
+        "n_cloud_modes": int(U_cloud.shape[1]),
+    }
+
+
+def channel_operator(A: chunkop.RowOperator, P: los.Problem, U: Any, squared: bool = False):
+    """``Bu``: ``zeta (n_pix, C) -> A (mu * (zeta U^T))`` as a RowOperator on ``A``'s rows.
+
+    Its row function is the LOS weights times the prior mean, projected on the radial profiles
+    (``b_l = (w_l * mu) @ U``: ``n_bins -> C`` numbers per line, recomputed chunk by chunk),
+    dotted with the ``C`` values of the line's pixel (``squared``: ``b_l**2`` instead, for
+    ``diag(Bu Bu^T)``). Rows sharded over a mesh stay sharded; ``A x`` comes back replicated
+    (the solvers take dot products of data-space vectors).
+    """
+    edges = np.asarray(P.edges, np.float64)
+    muU = P.prior_mean[:, None] * jnp.asarray(U, jnp.float32)  # (n_bins, C)
+
+    def row_fn(row, zeta):
+        b = jnp.dot(los.los_weights(row["d"], row["s"], edges), muU)
+        return jnp.dot(b * b if squared else b, zeta[row["pix"]])
+
+    return chunkop.RowOperator(
+        row_fn,
+        A.rows,
+        jax.ShapeDtypeStruct((P.n_pix, muU.shape[1]), jnp.float32),
+        chunk_size=P.chunk,
+        out_sharding="replicated",
+    )
+
+
+def data_residual_at_prior_mean(A: chunkop.RowOperator, P: los.Problem) -> jax.Array:
+    """``y - A mu`` without a sky: ``A mu`` is the channel operator of the one profile ``mu``."""
+    A_mu = channel_operator(A, P, np.ones((P.n_bins, 1)))
+    return jax.jit(lambda op, y: y - op.mv(jnp.ones(op.in_structure().shape, jnp.float32)))(A_mu, P.y)
+
+
+def apply_power(zeta: jax.Array, power: jax.Array, nx: int, ny: int) -> jax.Array:
+    """Each channel of ``zeta`` (``(n_pix, C)``) filtered by its own spectrum ``power``
+    (``(nx, ny // 2 + 1, C)``) on the periodic ``nx x ny`` grid (one rfft2 / irfft2 pair)."""
+    f = jnp.fft.rfft2(zeta.reshape(nx, ny, -1), axes=(0, 1)) * power
+    return jnp.fft.irfft2(f, s=(nx, ny), axes=(0, 1)).reshape(zeta.shape).astype(zeta.dtype)
+
+
+def apply_blocks(xi: jax.Array, blocks: jax.Array, nx: int, ny: int) -> jax.Array:
+    """``F^-1 blocks(k) F xi``: a ``C x C`` matrix per plane-of-sky frequency ``k``."""
+    f = jnp.fft.rfft2(xi.reshape(nx, ny, -1), axes=(0, 1))
+    f = jnp.einsum("xyij,xyj->xyi", blocks.astype(f.dtype), f)
+    return jnp.fft.irfft2(f, s=(nx, ny), axes=(0, 1)).reshape(xi.shape).astype(xi.dtype)
+
+
+def channel_gram(P: los.Problem, U: Any) -> np.ndarray:
+    """``G = sum_l b_l b_l^T / (sigma^2 n_pix)`` with ``b_l = (w_l * mu) @ U``: the data's precision
+    on one pixel's channels, averaged over the pixels (``(C, C)``, float64; chunk by chunk, the
+    ``n_los x n_bins`` weights are never stored)."""
+    muU = P.prior_mean[:, None] * jnp.asarray(U, jnp.float32)
+    b_fn = jax.jit(lambda d, s: los.los_weights(d, s, P.edges) @ muU)
+    d, s = np.asarray(P.d), np.asarray(P.s)
+    G = np.zeros((muU.shape[1],) * 2)
+    for i in range(0, d.size, P.chunk):
+        b = np.asarray(b_fn(d[i : i + P.chunk], s[i : i + P.chunk]), np.float64)
+        G += b.T @ b
+    return G / (P.sigma**2 * P.n_pix)
+
+
+def fourier_preconditioner(prior: dict, G: np.ndarray) -> jax.Array:
+    """``(I + P(k)^1/2 G P(k)^1/2)^-1`` for every plane-of-sky frequency ``k`` (``(nx, ny // 2 + 1,
+    C, C)`` float32).
+
+    ``Bu^T Bu / sigma^2`` is block-diagonal over pixels (a line sees one pixel): one ``C x C``
+    block per pixel. With every block replaced by their mean ``G`` (the data spread evenly over
+    the sky), ``I + C^1/2 Bu^T Bu C^1/2 / sigma^2`` becomes diagonal in Fourier space, with these
+    ``C x C`` blocks: its exact inverse is the preconditioner. The smooth modes the data
+    constrain average the line density over many pixels, which is where this holds best.
+    """
+    sq = np.sqrt(np.asarray(prior["power"], np.float64))  # (nx, nyh, C)
+    Hk = np.eye(G.shape[0]) + sq[..., :, None] * G * sq[..., None, :]
+    return jnp.asarray(np.linalg.inv(Hk), jnp.float32)
+
+
+def _pcg(H: Callable, M: Callable, b: jax.Array, iters: int, rtol: float, record: Callable | None):
+    """Preconditioned CG for ``H x = b`` from ``x = 0`` (a ``lax.while_loop``).
+
+    Stops when ``sqrt(r^T M r)`` falls below ``rtol`` times its initial value, or after ``iters``
+    steps; returns ``(x, steps, sqrt(r^T M r / r0^T M r0))``. ``record(|r_k|)`` is called from
+    inside the loop for ``r_0`` and once per step. A plain loop rather than ``lineax.CG``, whose
+    breakdown test ``<p, H p> <= 100 n eps <r, M r>`` is calibrated for other scalings (README).
+    """
+
+    def report(r):
+        if record is not None:
+            jax.debug.callback(record, jnp.sqrt(jnp.sum(r * r)))
+
+    z = M(b)
+    rz0 = jnp.vdot(b, z)
+    report(b)
+
+    def cond(state):
+        return (state[0] < iters) & (state[4] > rtol**2 * rz0)
+
+    def body(state):
+        k, x, r, p, rz = state
+        Hp = H(p)
+        alpha = rz / jnp.vdot(p, Hp)
+        x, r = x + alpha * p, r - alpha * Hp
+        z = M(r)
+        rz_new = jnp.vdot(r, z)
+        report(r)
+        return k + 1, x, r, z + (rz_new / rz) * p, rz_new
+
+    k, x, _, _, rz = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.zeros_like(b), b, z, rz0))
+    return x, k, jnp.sqrt(rz / rz0)
+
+
+def channel_space_solve(
+    Bu: chunkop.RowOperator,
+    resid0: jax.Array,
+    P: los.Problem,
+    prior: dict,
+    precond: jax.Array,
+    iters: int,
+    rtol: float,
+    record: Callable | None,
+):
+    """The posterior mean's channels ``zeta`` by CG on the whitened channels (the default solver).
+
+    ``zeta = C^1/2 xi`` with ``xi ~ N(0, I)`` of shape ``(n_pix, C)``; solves
+    ``(I + C^1/2 Bu^T Bu C^1/2 / sigma^2) xi = C^1/2 Bu^T (y - A mu) / sigma^2`` (``resid0`` is
+    ``y - A mu``), preconditioned by :func:`fourier_preconditioner`. The nontrivial eigenvalues
+    are those of the data-space system; a step is one ``Bu.T.mv``, one ``Bu.mv`` and three
+    rfft2 / irfft2 pairs on ``(n_pix, C)``. Returns ``(zeta, steps, relative residual)``.
+    """
+    nx, ny, sig = P.nx, P.ny, P.sigma
+    sqp = jnp.sqrt(prior["power"])
+    Cs = lambda v: apply_power(v, sqp, nx, ny)  # C^1/2
+    b = Cs(Bu.T.mv(resid0 / sig**2))
+    b_norm = jnp.sqrt(jnp.sum(b * b))
+    H = lambda xi: xi + Cs(Bu.T.mv(Bu.mv(Cs(xi)))) / sig**2
+    M = lambda r: apply_blocks(r, precond, nx, ny)
+    xi, k, rel = _pcg(H, M, b / b_norm, iters, rtol, record)  # unit-norm b: float32-safe scalars
+    return Cs(xi) * b_norm, k, rel
+
+
+def data_space_solve(
+    Bu: chunkop.RowOperator,
+    B2: chunkop.RowOperator,
+    resid0: jax.Array,
+    P: los.Problem,
+    prior: dict,
+    iters: int,
+    rtol: float,
+    record: Callable | None,
+):
+    """The posterior mean's channels by CG in data space (``--solver data``): ``n_los`` unknowns.
+
+    Solves ``(B S B^T / sigma^2 + I) u = (y - A mu) / sigma`` (noise-whitened: every eigenvalue is
+    >= 1), Jacobi-preconditioned by ``diag(B S B^T) / sigma^2 + 1`` (``B2``: ``Bu`` with squared
+    weights, on ones; the lines' sensitivities differ ~1000-fold, as ``1/s^2``), then
+    ``zeta = C Bu^T u / sigma``. Returns ``(zeta, steps, relative residual)``.
+    """
+    nx, ny, sig = P.nx, P.ny, P.sigma
+    power = prior["power"]
+    minv = 1.0 / (B2.mv(jnp.ones(B2.in_structure().shape, jnp.float32)) / sig**2 + 1.0)
+    b = resid0 / sig
+    b_norm = jnp.sqrt(jnp.sum(b * b))
+    K = lambda u: Bu.mv(apply_power(Bu.T.mv(u), power, nx, ny)) / sig**2 + u
+    u, k, rel = _pcg(K, lambda r: minv * r, b / b_norm, iters, rtol, record)
+    return apply_power(Bu.T.mv(u), power, nx, ny) * (b_norm / sig), k, rel
+
+
+@jax.jit
+def sky_from_channels(mu: jax.Array, zeta: jax.Array, U: jax.Array) -> jax.Array:
+    """``mu * (1 + zeta U^T)``: the one sky-sized array of the channel-space and data-space solves."""
+    return mu * (1.0 + zeta @ U.T)
 
 
 # -- the global s-scale fit ---------------------------------------------------------------------
@@ -420,6 +684,8 @@ def describe_sharding(A: chunkop.RowOperator, mesh: jax.sharding.Mesh | None) ->
     }
 
 
+SOLVERS = ("channels", "data", "primal")
+
 # -- the main job -------------------------------------------------------------------------------
 
 
@@ -433,6 +699,7 @@ def run(
     rtol: float = 1e-5,
     progress: bool = False,
     devices: int | None = None,
+    solver: str = "channels",
 ) -> dict:
     """Run the example; returns the results dict (also written to ``out/results.json``).
 
@@ -442,7 +709,7 @@ def run(
     """
     mesh = device_mesh(devices) if devices is not None else None
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return _run(size, out, chunk, iters, fit_s, figures, rtol, progress, mesh)
+        return _run(size, out, chunk, iters, fit_s, figures, rtol, progress, mesh, solver)
 
 
 def _run(
@@ -455,6 +722,7 @@ def _run(
     rtol: float,
     progress: bool,
     mesh: jax.sharding.Mesh | None,
+    solver: str = "channels",
 ) -> dict:
     """The body of :func:`run` (inside the mesh context when ``mesh`` is given)."""
     devices = int(mesh.size) if mesh is not None else 1
@@ -467,7 +735,10 @@ def _run(
         log("1 device (no mesh; --devices N shards the operator's rows over N devices)")
     t = time.perf_counter()
     P = los.make_problem(size, chunk=chunk, progress=progress or None)
-    iters = P.iters if iters is None else iters
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    if iters is None:
+        iters = {"primal": P.iters, "channels": 100, "data": 3000}[solver]
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
     log(
@@ -550,40 +821,80 @@ def _run(
     del x, y_model
 
     # --- the reconstruction ---------------------------------------------------------------------
-    rec = Recorder(every=1 if seed else max(1, iters // 10))
-    if seed:  # a fixed number of iterations, fewest live sky-sized arrays
-        rtol, stabilise = 0.0, None
+    rec = Recorder(every=1 if seed or solver == "channels" else max(1, iters // 10))
+    t = time.perf_counter()
+    if solver == "primal":
+        if seed:  # a fixed number of iterations, fewest live sky-sized arrays
+            rtol, stabilise = 0.0, None
+        else:
+            stabilise = 10
+        solve_fn = lambda A: solve(A, P, sc, iters, rtol, rec, stabilise)
+        solve_args: tuple = (A,)
+        what = "Jacobi-preconditioned lineax.CG on the normal equations (405M unknowns at seed size)"
     else:
-        stabilise = 10
-    solve_fn = lambda A: solve(A, P, sc, iters, rtol, rec, stabilise)
-    solve_c, memory["cg_solve"] = compiled_memory(solve_fn, A)
+        prior = covariance_prior(P)
+        Bu = channel_operator(A, P, prior["U"])
+        resid0 = data_residual_at_prior_mean(A, P)
+        res["covariance_prior"] = {
+            k: prior[k] for k in ("n_channels", "sd_g", "cloud_var", "cloud_eigenvalues", "n_cloud_modes")
+        }
+        if solver == "channels":
+            precond = fourier_preconditioner(prior, channel_gram(P, prior["U"]))
+            solve_fn = lambda Bu, r0, pc: channel_space_solve(Bu, r0, P, prior, pc, iters, rtol, rec)
+            solve_args = (Bu, resid0, precond)
+            what = (
+                f"CG on the whitened channels ({P.n_pix} x {prior['n_channels']} unknowns), "
+                "Fourier-block preconditioner"
+            )
+        else:
+            B2 = channel_operator(A, P, prior["U"], squared=True)
+            solve_fn = lambda Bu, B2, r0: data_space_solve(Bu, B2, r0, P, prior, iters, rtol, rec)
+            solve_args = (Bu, B2, resid0)
+            what = f"CG in data space ({P.n_los} unknowns), Jacobi preconditioner"
+        timings["prior_setup_s"] = time.perf_counter() - t
+        log(
+            f"covariance prior: {prior['n_channels']} channels (plane-of-sky field sd {prior['sd_g']:.3f}, "
+            f"{prior['n_channels'] - 1} radial cloud modes), set up in {timings['prior_setup_s']:.1f}s"
+        )
+    solve_c, memory["cg_solve"] = compiled_memory(solve_fn, *solve_args)
     log(
-        f"CG solve compiled in {memory['cg_solve']['compile_s']:.1f}s "
+        f"solver {solver!r}: {what}; compiled in {memory['cg_solve']['compile_s']:.1f}s "
         f"(temp {fmt_bytes(memory['cg_solve']['temp_bytes'])} = "
-        f"{memory['cg_solve']['temp_bytes'] / sky_bytes:.1f} sky copies); running up to {iters} iterations"
+        f"{memory['cg_solve']['temp_bytes'] / sky_bytes:.2f} sky copies); up to {iters} iterations, rtol {rtol:g}"
     )
     t = time.perf_counter()
-    z, result, n_steps = jax.block_until_ready(solve_c(A))
+    sol, n_steps, rel_res = jax.block_until_ready(solve_c(*solve_args))
     timings["cg_s"] = time.perf_counter() - t
     n_steps = int(n_steps)
-    # the recorder's first call is CG's initial residual: before it, the set-up (Jacobi diagonal,
-    # right-hand side, H y0); between its first and last call, the iterations
+    if solver == "primal":
+        result = result_name(rel_res)  # a lineax RESULTS
+        rel_res = rec.res[-1] / rec.b_norm if rec.res else float("nan")
+    else:
+        rel_res = float(rel_res)
+        result = "successful" if rel_res <= rtol else "max_steps_reached"
+    # the recorder's first call is CG's initial residual: before it, the set-up; between its first
+    # and last call, the iterations
     timings["cg_setup_s"] = rec.times[0] - t if rec.times else float("nan")
     timings["cg_per_iteration_s"] = (rec.times[-1] - rec.times[0]) / max(n_steps, 1) if rec.times else float("nan")
     log(
         f"CG: {n_steps} iterations in {timings['cg_s']:.1f}s (set-up {timings['cg_setup_s']:.1f}s, then "
-        f"{timings['cg_per_iteration_s']:.3f}s per iteration), lineax result: {result_name(result)}"
+        f"{timings['cg_per_iteration_s']:.3f}s per iteration), {result} (relative residual {rel_res:.2e})"
     )
     res["cg"] = {
+        "solver": solver,
         "iterations": n_steps,
         "max_iterations": iters,
         "rtol": rtol,
-        "result": result_name(result),
+        "result": result,
+        "relative_residual": rel_res,
         "residual_norms": rec.res,
         "b_norm": rec.b_norm,
     }
-    sky_hat = sky_from_z(P.prior_mean, z)
-    del z
+    if solver == "primal":
+        sky_hat = sky_from_z(P.prior_mean, sol)
+    else:
+        sky_hat = sky_from_channels(P.prior_mean, sol, prior["U"])
+    del sol
 
     # --- evaluation -------------------------------------------------------------------------------
     resid_fn = jax.jit(lambda A, s, y: y - A.mv(s))
@@ -725,8 +1036,13 @@ def make_figures(out, P, x, sky_hat, resid, resid0, col_t, col_h, col_0, res) ->
     rn = np.asarray(res["cg"]["residual_norms"]) / res["cg"]["b_norm"]
     ax.semilogy(np.arange(rn.size), rn, "o-" if rn.size < 30 else "-")
     ax.set_xlabel("CG iteration")
-    ax.set_ylabel("|r_k| / |b|  (normal equations)")
-    ax.set_title(f"Jacobi-preconditioned lineax.CG, {res['cg']['iterations']} iterations")
+    ax.set_ylabel("|r_k| / |r_0|")
+    name = {
+        "primal": "Jacobi-preconditioned lineax.CG (normal equations)",
+        "channels": "CG on the whitened channels (Fourier-block preconditioner)",
+        "data": "CG in data space (Jacobi)",
+    }[res["cg"]["solver"]]
+    ax.set_title(f"{name}, {res['cg']['iterations']} iterations", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     paths.append(os.path.join(out, "convergence.png"))
     fig.savefig(paths[-1], dpi=90)
@@ -757,7 +1073,17 @@ def main(argv=None) -> dict:
     p.add_argument("--size", default="default", choices=sorted(los.SIZES), help="problem size (default: default)")
     p.add_argument("--out", default="outputs/astro_los", help="output folder (default outputs/astro_los)")
     p.add_argument("--chunk", type=int, default=None, help="lines per chunk (default: per size)")
-    p.add_argument("--iters", type=int, default=None, help="max CG iterations (default: per size)")
+    p.add_argument(
+        "--solver",
+        default="channels",
+        choices=SOLVERS,
+        help="channels (default): covariance prior, CG on the whitened plane-of-sky channels with a "
+        "Fourier-block preconditioner; data: the same prior, CG in data space (n_los unknowns), Jacobi; "
+        "primal: first-difference precision prior, lineax.CG on the normal equations (sky-sized unknowns)",
+    )
+    p.add_argument(
+        "--iters", type=int, default=None, help="max CG iterations (default: channels 100, data 3000, primal per size)"
+    )
     p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5)")
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale fit")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
@@ -792,6 +1118,7 @@ def main(argv=None) -> dict:
         rtol=a.rtol,
         progress=a.progress,
         devices=a.devices,
+        solver=a.solver,
     )
 
 
