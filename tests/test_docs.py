@@ -71,7 +71,7 @@ def test_markdown_python_blocks_run(path):
 _PRIVATE = re.compile(r"\bchunkop\._(?!_)\w+")  # chunkop.__all__ / __version__ are public
 # Pages that still point users at private names; remove an entry once its page is fixed (the
 # xfail is strict, so a fixed page fails here until its entry goes).
-_PRIVATE_PENDING = {"scaling.md": "names chunkop._budget.CPU_TEMP_CAP / DEFAULT_FRACTION (no public setting yet)"}
+_PRIVATE_PENDING: dict[str, str] = {}
 
 
 @pytest.mark.parametrize(

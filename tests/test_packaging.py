@@ -1,7 +1,8 @@
 """The package builds and its artefacts are what a user should get: an sdist and a wheel built
 from a copy of the repository (the files git would check out: tracked plus untracked, not the
 ignored ones) pass ``twine check``, the wheel ships the package, its ``py.typed`` marker and the
-LICENSE, and neither the tests nor the docs tooling.
+LICENSE, and neither the tests nor the docs tooling; the sdist ships the release files
+(CHANGELOG.md, CITATION.cff, LICENSE) and the whole test suite (``MANIFEST.in``).
 
 The build runs with ``--no-isolation`` (no network: it uses this environment's setuptools, which
 the ``test`` extra pins to >=77, the first to read the SPDX ``license = "Apache-2.0"`` string).
@@ -100,7 +101,25 @@ def test_sdist_contents(dists):
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     for required in ("LICENSE", "README.md", "pyproject.toml", "src/chunkop/__init__.py", "src/chunkop/py.typed"):
         assert required in names, f"{required} missing from the sdist"
+    # MANIFEST.in: the release files, and the whole test suite (not only tests/test_*.py)
+    for required in ("CHANGELOG.md", "CITATION.cff", "tests/conftest.py", "tests/operator_registry.py"):
+        assert required in names, f"{required} missing from the sdist (MANIFEST.in)"
+    tests = {n for n in names if n.startswith("tests/") and n.endswith(".py")}
+    checkout = {f for f in _checkout_files() if f.startswith("tests/") and f.endswith(".py")}
+    assert checkout <= tests, f"test files missing from the sdist: {sorted(checkout - tests)}"
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in names), "bytecode in the sdist"
     assert "docs_hooks/griffe_roles.py" not in names and "docs/griffe_roles.py" not in names
+
+
+def test_build_requirements():
+    """setuptools < 77 cannot read the SPDX ``license = "Apache-2.0"`` string: the build must ask
+    for 77 or later (in isolated builds, which pip and ``python -m build`` do by default)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    requires = re.search(r"^\[build-system\]\n(?:#.*\n)*requires = \[([^\]]*)\]", text, re.MULTILINE)
+    assert requires, "no [build-system] requires"
+    setuptools = re.search(r'"setuptools>=(\d+)', requires.group(1))
+    assert setuptools and int(setuptools.group(1)) >= 77, requires.group(1)
+    assert re.search(r'^license = "Apache-2\.0"$', text, re.MULTILINE)
 
 
 def test_release_files_agree():
