@@ -4,14 +4,14 @@ The planner never guesses memory from shapes: it asks XLA. Given a callable
 ``temp_bytes(chunk) -> int`` that compiles the chunked program at ``chunk`` and returns its
 ``memory_analysis().temp_size_in_bytes``, :func:`choose_chunk`
 
-1. compiles the whole axis unchunked (``chunk = n``); if it fits, there is no chunking at all;
-2. otherwise compiles at two chunk sizes and fits an affine model ``a + b * chunk`` (above a
-   small floor, a chunked program's temp memory is one chunk's intermediates plus
-   chunk-independent buffers);
+1. compiles the whole axis unchunked (``chunk = n``) - for a large axis only when step 2's
+   model predicts that it may fit; if it fits, there is no chunking at all;
+2. compiles at two chunk sizes and fits an affine model ``a + b * chunk`` (above a small floor,
+   a chunked program's temp memory is one chunk's intermediates plus chunk-independent buffers);
 3. compiles the largest chunk the model allows (preferring chunks that leave no or a small
-   remainder) and, while the answer is not settled, brackets between the largest chunk that
-   fitted and the smallest that did not, interpolating linearly; the largest compiled chunk
-   within the budget wins.
+   remainder) and, until one lands within 80-100% of the budget, brackets between the largest
+   chunk that fitted and the smallest that did not, interpolating linearly; the largest
+   compiled chunk within the budget wins. No loop is compiled twice.
 
 The temp memory counted is XLA's temporary buffers (intermediates, scan carries, residuals):
 not the arguments and outputs, which exist whatever the chunk. The budget is compared with the
