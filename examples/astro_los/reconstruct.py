@@ -614,6 +614,13 @@ def rel_err_baseline(mu: jax.Array, b: jax.Array) -> jax.Array:
 
 
 @jax.jit
+def masked_rel_err(a: jax.Array, b: jax.Array, pixels: jax.Array) -> jax.Array:
+    """``rel_err`` over the pixels (rows) where ``pixels`` is True (``a`` may broadcast over rows)."""
+    m = pixels[:, None]
+    return jnp.sqrt(jnp.sum(jnp.where(m, (a - b) ** 2, 0.0)) / jnp.sum(jnp.where(m, b**2, 0.0)))
+
+
+@jax.jit
 def sky_from_z(mu: jax.Array, z: jax.Array) -> jax.Array:
     return mu * (1.0 + z)
 
@@ -912,6 +919,14 @@ def _run(
     col_0 = np.full_like(col_t, float(P.prior_mean @ dr))
     col_err = float(np.linalg.norm(col_h - col_t) / np.linalg.norm(col_t))
     col_err0 = float(np.linalg.norm(col_0 - col_t) / np.linalg.norm(col_t))
+    # the same relative error split into the pixels some line looks through and the others
+    seen = jnp.asarray(np.bincount(np.asarray(P.pix), minlength=P.n_pix) > 0)
+    split = {
+        f"rel_err_{part}_{name}": float(masked_rel_err(s_, x, m_))
+        for part, m_ in (("seen_pixels", seen), ("unseen_pixels", ~seen))
+        for name, s_ in (("reconstruction", sky_hat), ("baseline", jnp.broadcast_to(P.prior_mean, (1, P.n_bins))))
+    }
+    split["fraction_of_pixels_seen"] = float(jnp.mean(seen))
     res["metrics"] = {
         "rel_err_reconstruction": err,
         "rel_err_baseline_prior_mean": err0,
@@ -920,10 +935,17 @@ def _run(
         "chi2_per_line_reconstruction": float(np.mean(resid**2)),
         "chi2_per_line_baseline": float(np.mean(resid0**2)),
         "finite": finite,
+        **split,
     }
     log(
         f"relative error vs truth: reconstruction {err:.4f}, baseline (prior mean) {err0:.4f}; "
         f"distance-integrated column: {col_err:.4f} vs {col_err0:.4f}"
+    )
+    log(
+        f"  on the {100 * split['fraction_of_pixels_seen']:.1f}% of pixels some line looks through: "
+        f"{split['rel_err_seen_pixels_reconstruction']:.4f} vs {split['rel_err_seen_pixels_baseline']:.4f}; "
+        f"on the others: {split['rel_err_unseen_pixels_reconstruction']:.4f} vs "
+        f"{split['rel_err_unseen_pixels_baseline']:.4f}"
     )
     log(
         f"data residual chi2 per line: reconstruction {res['metrics']['chi2_per_line_reconstruction']:.3f}, "
