@@ -384,12 +384,15 @@ def vmap(
         remat: True to rematerialise each chunk in reverse mode (bounded memory, about one extra
             forward pass of compute); False to store every chunk's residuals (memory grows
             with ``n``, as ``jax.lax.map``); or a ``jax.checkpoint`` policy to save some.
-        progress: True to show a progress bar on stderr (tqdm if installed, else ``k/n chunks``)
-            advanced by every chunk from inside the compiled loop, eagerly and under ``jit``; or
-            a callable ``progress(k, n)`` called on the host after chunk ``k`` of ``n`` (the
-            remainder counts as one; under ``vmap`` it may be called repeatedly with the same
-            ``k``; reports are asynchronous, ``jax.effects_barrier()`` waits for them). None or
-            False (default): nothing is added to the program. No report when not chunking.
+        progress: True to show progress on stderr (a tqdm bar on a terminal or in Jupyter when
+            tqdm is installed, a ``\r`` line on a terminal, plain lines at most once a second in
+            a log), reported from inside the compiled loop, eagerly and under ``jit``; or a
+            callable ``progress(k, n)`` called on the host with ``k`` of ``n`` chunks done (the
+            remainder counts as one). About 20 reports per loop (the first, the last and every
+            ``ceil(n/20)``-th chunk), each call of the loop one run with ``k`` rising to ``n``;
+            under ``jit(grad)`` the backward loop reports. Reports are asynchronous
+            (``jax.effects_barrier()`` waits for them). None or False (default): nothing is
+            added to the program. No report when not chunking.
         memory_budget: bytes of temp memory for ``chunk_size="auto"`` (only then: with
             another ``chunk_size`` it is refused); None for ``chunkop.settings().budget_fraction``
             (half) of the device's free memory.
