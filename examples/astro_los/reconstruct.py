@@ -1,7 +1,7 @@
 """Reconstruct a 3-D sky from line-of-sight integrals with a chunked implicit operator.
 
     python examples/astro_los/reconstruct.py [--size tiny|default|seed] [--out DIR] [--chunk C] [--iters N]
-                                             [--no-fit-s] [--no-figures] [--devices N]
+                                             [--solver channels|data|primal] [--no-fit-s] [--no-figures] [--devices N]
 
 The forward model is the astrophysics users' LOS operator (``los.py``): sky ``(n_pix, n_bins)``,
 ``y_l = sum_k w_k(d_l, s_l) sky[pix_l, k]`` with ``w = -diff(exp(-(d - b) / (d s b)))``, built as
@@ -9,22 +9,29 @@ a ``chunkop.RowOperator`` (weights recomputed chunk by chunk, never stored). Ste
 
 1. generate a deterministic synthetic problem (structured log-normal sky, random lines, noisy
    data; no downloads) and check the operator (``chunkop.check_linear``);
-2. reconstruct the sky by regularised least squares: the sky is ``prior_mean * (1 + z)`` and
-   ``z`` minimises ``|(A sky - y) / sigma|^2 + |z / s_z|^2 + |D_r z / s_r|^2 + |D_xy z / s_xy|^2``
-   (Tikhonov + radial and plane-of-sky smoothness), solved with ``lineax.CG`` on the normal
-   equations, Jacobi-preconditioned with ``chunkop.gram_diagonal``;
+2. reconstruct the sky as the posterior mean under a Gaussian prior: the sky is
+   ``prior_mean * (1 + z)``. Default (``--solver channels``): ``z``'s prior is given by its
+   covariance ``S``, matched to how the truth is drawn (a plane-of-sky random field constant
+   along the line of sight, plus radial "cloud" modes, each with a stationary plane-of-sky
+   covariance applied by FFT), and ``z = S B^T (B S B^T + sigma^2)^-1 (y - A mu)`` is found by CG
+   on the whitened channels (``n_pix x 13`` unknowns, a Fourier-block preconditioner: 5 steps)
+   or, ``--solver data``, by CG in data space (``n_los`` unknowns, Jacobi: converges too slowly
+   beyond the tiny size). No CG step forms a sky. ``--solver primal``: the earlier prior given by
+   its precision (Tikhonov + radial and plane-of-sky first differences), ``lineax.CG`` on the
+   sky-sized normal equations, Jacobi-preconditioned with ``chunkop.gram_diagonal``;
 3. fit a global scale ``alpha`` on the distance uncertainties (``s -> alpha * s``) by Newton
    steps built from ``jax.grad`` and a Hessian-vector product *through the operator's row data*,
    against a known calibration sky (the truth: sky amplitude and ``1/s`` are degenerate in this
    model, so ``alpha`` cannot be fitted jointly with the sky);
-4. report the relative error of the reconstruction and of the baseline (the prior mean) vs the
-   truth, the data residual, time, the compiled temp memory of the main jitted functions and
-   the process's peak RSS; write PNG figures and ``results.json`` into ``--out``.
+4. report the fit: chi2 per line, relative error of the reconstruction and of the baseline (the
+   prior mean) vs the truth (also split into the pixels some line looks through and the
+   others), CG's iterations and convergence, time, the compiled temp memory of the main jitted
+   functions and the process's peak RSS; write PNG figures and ``results.json`` into ``--out``.
 
 ``--size seed`` runs the users' full size (786432 x 516 sky = 1.6 GB per float32 copy, 132400
 lines): matvec, transpose, the gradient w.r.t. the sky and w.r.t. ``alpha``, one
-Hessian-vector product and ``--iters`` (default 5) CG iterations, keeping few sky-sized
-arrays alive (11 GiB peak RSS measured; see README.md).
+Hessian-vector product and the reconstruction (about 2 minutes and 4 GiB peak RSS on 2 cores;
+see README.md and ``seed_run.json``).
 
 ``--devices N`` runs the same job with the operator's rows (``pix``, ``d``, ``s``) sharded along
 their leading axis over a mesh ``jax.make_mesh((N,), ("rows",))`` of the first ``N`` of
