@@ -172,6 +172,8 @@ def test_tiny_reconstruction_sharded_over_two_devices(tiny_run, tmp_path):
     for key, value in ref["metrics"].items():
         if key == "finite":
             assert res["metrics"][key] is True
+        elif value is None:  # e.g. no pixel without a line at tiny size
+            assert res["metrics"][key] is None, key
         else:
             np.testing.assert_allclose(res["metrics"][key], value, rtol=1e-4, err_msg=key)
     np.testing.assert_allclose(res["chi2_per_line_truth"], ref["chi2_per_line_truth"], rtol=1e-4)

@@ -929,11 +929,12 @@ def _run(
     # the same relative error split into the pixels some line looks through and the others
     seen = jnp.asarray(np.bincount(np.asarray(P.pix), minlength=P.n_pix) > 0)
     split = {
-        f"rel_err_{part}_{name}": float(masked_rel_err(s_, x, m_))
+        f"rel_err_{part}_{name}": float(masked_rel_err(s_, x, m_)) if bool(jnp.any(m_)) else None
         for part, m_ in (("seen_pixels", seen), ("unseen_pixels", ~seen))
         for name, s_ in (("reconstruction", sky_hat), ("baseline", jnp.broadcast_to(P.prior_mean, (1, P.n_bins))))
     }
     split["fraction_of_pixels_seen"] = float(jnp.mean(seen))
+    f4 = lambda v: "-" if v is None else f"{v:.4f}"
     res["metrics"] = {
         "rel_err_reconstruction": err,
         "rel_err_baseline_prior_mean": err0,
@@ -950,9 +951,9 @@ def _run(
     )
     log(
         f"  on the {100 * split['fraction_of_pixels_seen']:.1f}% of pixels some line looks through: "
-        f"{split['rel_err_seen_pixels_reconstruction']:.4f} vs {split['rel_err_seen_pixels_baseline']:.4f}; "
-        f"on the others: {split['rel_err_unseen_pixels_reconstruction']:.4f} vs "
-        f"{split['rel_err_unseen_pixels_baseline']:.4f}"
+        f"{f4(split['rel_err_seen_pixels_reconstruction'])} vs {f4(split['rel_err_seen_pixels_baseline'])}; "
+        f"on the others: {f4(split['rel_err_unseen_pixels_reconstruction'])} vs "
+        f"{f4(split['rel_err_unseen_pixels_baseline'])}"
     )
     log(
         f"data residual chi2 per line: reconstruction {res['metrics']['chi2_per_line_reconstruction']:.3f}, "
