@@ -1,0 +1,238 @@
+"""Feature-interaction checks with sharded inputs, run in one subprocess by tests/test_interactions.py.
+
+The CPU device count (``--xla_force_host_platform_device_count=4``) must be set before JAX starts,
+so these checks run in their own interpreter. Usage::
+
+    python tests/_interaction_checks.py [--list] [NAME ...]
+
+``--list`` prints the check names (a JSON list, without importing JAX); otherwise the named (or
+all) checks run and the last line printed is a JSON object: name -> "ok" or the failure.
+
+Each check runs ``chunkop.vmap(f, (None, 0), ...)`` on an input sharded along its mapped axis and
+compares with ``jax.vmap`` of the same ``f`` on the *unsharded* input, under one transform
+(eager / jit / grad / vmap-of / hessian), over meshes
+
+- ``auto``: 1-D (4,) Auto mesh ``d``; ``explicit``: 1-D (4,) Explicit mesh ``d``;
+- ``2d``: a (2, 2) Explicit mesh ``(a, b)``, the mapped axis sharded over ``a`` only,
+
+and chunk sizes None / 3 (a remainder in each device's shard: 16 / 4 = 4 = 3 + 1, 16 / 2 = 8 =
+3 + 3 + 2) / 2 (divides every shard) / ``"auto"`` (a small budget). Stacked outputs must keep
+the mapped axis sharded over the mesh axis (eagerly; under ``jit`` on Explicit meshes).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import sys
+
+MESHES = ["auto", "explicit", "2d"]
+CHUNKS = [None, 3, 2, "auto"]
+MODES = ["eager", "jit", "grad", "vmap", "hessian"]
+
+
+def _names() -> list[str]:
+    names = [f"values-{m}-{c}-plain-{t}" for m, c, t in itertools.product(MESHES, CHUNKS, MODES)]
+    names += [f"values-{m}-3-{b}-{t}" for m in MESHES for b in ("custom_jvp", "custom_vjp") for t in ("eager", "grad")]
+    names += [f"progress-{m}-{c}-{t}" for m in MESHES for c in (3, "auto") for t in MODES]
+    names += [f"progress-{m}-None-eager" for m in MESHES]  # not chunking: no report
+    names += [f"size-{m}-{c}-{t}" for m in MESHES for c in (None, 3, "auto") for t in ("eager", "jit", "grad")]
+    names += [f"psum-{m}-{c}-{t}" for m in MESHES for c in (None, 3, "auto") for t in ("eager", "jit")]
+    return names
+
+
+if __name__ == "__main__" and "--list" in sys.argv:
+    print(json.dumps(_names()))
+    sys.exit(0)
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import chunkop  # noqa: E402
+
+N, D = 16, 8
+BUDGET = 3072  # bytes per enclosing-vmap example: "auto" chunks a device's shard at this size
+
+
+@jax.custom_jvp
+def _cj(z):
+    return jnp.sin(z)
+
+
+@_cj.defjvp
+def _cj_jvp(primals, tangents):
+    (z,), (t,) = primals, tangents
+    return jnp.sin(z), jnp.cos(z) * t
+
+
+@jax.custom_vjp
+def _cv(z):
+    return jnp.tanh(z)
+
+
+_cv.defvjp(lambda z: (jnp.tanh(z), jnp.tanh(z)), lambda y, g: (g * (1.0 - y**2),))
+
+BODY = {"plain": jnp.tanh, "custom_jvp": _cj, "custom_vjp": _cv}
+
+
+def make_fun(body, coll=None):
+    act = BODY[body]
+
+    def f(w, x):
+        h = act(jnp.outer(x, x) @ w).sum(0)
+        if coll == "size":
+            h = h * (jax.lax.axis_size("i") / N) + jax.lax.psum(1.0, "i") / N
+        elif coll == "psum":
+            h = h - jax.lax.psum(h, "i") / N
+        return h
+
+    return f
+
+
+def data():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(D, D)) / D, jnp.float32)
+    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
+    ws = jnp.asarray(rng.normal(size=(2, D, D)) / D, jnp.float32)
+    return w, x, ws
+
+
+def mesh_and_axis(kind):
+    if kind == "2d":
+        return jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2), "a"
+    types = (AxisType.Explicit,) if kind == "explicit" else (AxisType.Auto,)
+    return jax.make_mesh((4,), ("d",), axis_types=types), "d"
+
+
+def run(mode, mapped, w, x, ws):
+    if mode == "eager":
+        return mapped(w, x)
+    if mode == "jit":
+        return jax.jit(mapped)(w, x)
+    if mode == "grad":
+        return jax.grad(lambda w, x: jnp.sum(mapped(w, x) ** 2), argnums=(0, 1))(w, x)
+    if mode == "vmap":
+        return jax.vmap(mapped, in_axes=(0, None))(ws, x)
+    if mode == "hessian":  # w.r.t. two scalars scaling and shifting w (a small Hessian)
+        return jax.hessian(lambda a: jnp.sum(mapped(w * a[0] + a[1], x) ** 2))(jnp.array([1.0, 0.1]))
+    raise AssertionError(mode)
+
+
+@functools.cache
+def reference(body, coll, mode):
+    """jax.vmap on the unsharded inputs (computed once per combination)."""
+    kw = {"axis_name": "i"} if coll else {}
+    return run(mode, jax.vmap(make_fun(body, coll), in_axes=(None, 0), **kw), *data())
+
+
+def close(actual, expected, rtol=1e-4, atol=1e-4):
+    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    assert a_tree == e_tree, (a_tree, e_tree)
+    for a, e in zip(a_leaves, e_leaves, strict=True):
+        assert np.shape(a) == np.shape(e), (np.shape(a), np.shape(e))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+
+
+def spec_at(y, axis):
+    spec = tuple(y.sharding.spec) + (None,) * y.ndim
+    entry = spec[axis]
+    return entry if not isinstance(entry, tuple) or len(entry) != 1 else entry[0]
+
+
+def budget_for(mode):
+    """Per example of the enclosing jax.vmap batch (2 for vmap, 2 tangents for hessian's jacfwd);
+    the Hessian-vector program needs a little more (its least temp memory is 2.6-3 KiB)."""
+    return {"vmap": 2 * BUDGET, "hessian": 2 * 4096}.get(mode, BUDGET)
+
+
+def local_n(kind, mode):
+    """The mapped size each chunk loop sees: a device's shard, or all of N where the sharding is
+    not visible (an Auto mesh under jit, or under grad w.r.t. the mapped input: traced values)."""
+    if kind == "auto" and mode in ("jit", "grad"):
+        return N
+    return N // (2 if kind == "2d" else 4)
+
+
+def _check(kind, chunk, body, mode, coll=None, progress=False):
+    mesh, axis = mesh_and_axis(kind)
+    w, x, ws = data()
+    f = make_fun(body, coll)
+    kw = {"axis_name": "i"} if coll else {}
+    expected = reference(body, coll, mode)
+    calls = []
+    g = chunkop.vmap(
+        f,
+        in_axes=(None, 0),
+        chunk_size=chunk,
+        memory_budget=budget_for(mode) if chunk == "auto" else None,
+        progress=(lambda k, n: calls.append((int(k), int(n)))) if progress else None,
+        **kw,
+    )
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(axis)))
+        if coll == "psum" and isinstance(chunk, int):
+            try:
+                run(mode, g, w, xs, ws)
+            except ValueError as e:
+                assert "psum" in str(e), f"refused without naming the collective `psum`: {e}"
+                return
+            raise AssertionError("psum of a mapped value with chunk_size < n was not refused")
+        actual = run(mode, g, w, xs, ws)
+        jax.effects_barrier()
+    close(actual, expected)
+    # stacked outputs keep the mapped axis sharded (eagerly; under jit where types carry it)
+    if mode == "eager" or mode == "vmap" or (mode == "jit" and kind != "auto"):
+        where = 1 if mode == "vmap" else 0
+        assert spec_at(actual, where) == axis, (actual.sharding, axis)
+    if chunk == "auto" and coll != "psum":
+        plan = g.last_plan
+        assert plan is not None and plan.chunk is not None and plan.chunk < local_n(kind, mode), plan
+    if progress:
+        c = g.last_plan.chunk if chunk == "auto" else chunk
+        m = local_n(kind, mode)
+        if c is None or c >= m:
+            assert calls == [], calls
+        else:
+            total = -(-m // c)
+            assert calls, "no progress report"
+            assert {n for _, n in calls} == {total}, (total, calls)
+            assert max(k for k, _ in calls) == total, (total, calls)
+
+
+def run_named(name):
+    kind, rest = name.split("-", 1)
+    parts = rest.split("-")
+    chunk = None if parts[1] == "None" else parts[1] if parts[1] == "auto" else int(parts[1])
+    if kind == "values":
+        _check(parts[0], chunk, parts[2], parts[3])
+    elif kind == "progress":
+        _check(parts[0], chunk, "plain", parts[2], progress=True)
+    elif kind in ("size", "psum"):
+        _check(parts[0], chunk, "plain", parts[2], coll=kind)
+    else:
+        raise AssertionError(name)
+
+
+def main(names):
+    results = {}
+    for name in names or _names():
+        try:
+            run_named(name)
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = traceback.format_exc(limit=6)[-2500:]
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
