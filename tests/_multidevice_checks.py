@@ -232,6 +232,26 @@ def vmap_sum_mapped_axis_on_a_other_axis_on_b():
 
 
 @check
+def check_linear_of_sharded_rows_inside_set_mesh():
+    """chunkop.check_linear (a chunked vmap of row_fn in a shard_map, under jit) on rows sharded
+    over an Explicit mesh, inside jax.set_mesh: nothing computed eagerly may carry the outer mesh."""
+    mesh = mesh_of("explicit")
+    rng = np.random.default_rng(3)
+    d = jnp.linspace(0.1, 2.0, 6)
+
+    def row_fn(r, x):
+        w = -jnp.diff(jnp.exp(-(d - r["b"]) / (d * r["b"])))  # reads a concrete closed-over array
+        return w @ x[r["idx"]]
+
+    with jax.set_mesh(mesh):
+        rows = {"idx": jnp.asarray(rng.integers(0, 10, N), jnp.int32), "b": jnp.asarray(rng.uniform(0.5, 2, N))}
+        rows = jax.device_put(rows, NamedSharding(mesh, P("d")))
+        A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((10, 5), jnp.float32), chunk_size=8)
+        errors = chunkop.check_linear(A)
+    assert max(errors.values()) < 1e-5, errors
+
+
+@check
 def map_sharded():
     mesh = mesh_of("explicit")
     _, xs = data()

@@ -251,12 +251,15 @@ def _fold_concrete(axis_name: Hashable | None) -> Any:
     (``if float(w.sum()) > 0``); their results are hoisted like any other constant.
 
     Not with an ``axis_name``: a collective without operands (``lax.axis_index``) would be
-    computed outside the axis' scope.
+    computed outside the axis' scope. Not inside a ``shard_map`` body (a mesh axis is Manual):
+    a value computed eagerly there would carry the enclosing mesh's type, not the body's.
     """
     from jax._src import config as _config  # no public switch for this yet
 
     state = getattr(_config, "eager_constant_folding", None)
-    return state(True) if state is not None and axis_name is None else contextlib.nullcontext()
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ()) or ())
+    return state(True) if state is not None and axis_name is None and not manual else contextlib.nullcontext()
 
 
 def trace_example(
