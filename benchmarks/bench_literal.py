@@ -12,7 +12,7 @@ Methods, per operation (``matvec``, ``transpose``, ``grad`` of ``|A x - b|^2`` w
 ``hvp`` forward-over-reverse):
 
 * ``chunkop``: ``RowOperator`` (``A.mv``, ``A.T.mv``, autodiff through its ``custom_jvp``);
-* ``chunkop (no barrier)``: the same with ``_rows.fusion_barrier`` replaced by the identity,
+* ``chunkop (no barrier)``: the same with ``_chunking.fusion_barrier`` replaced by the identity,
   compiled in the same process: what the fusion barrier buys, measured in the same run;
 * ``jax.vmap``: plain unchunked JAX, the reference: ``jax.vmap(row_fn)``, ``jax.linear_transpose``
   of it, ``jax.grad`` / hvp of the unchunked loss;
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_los as B
 
 import chunkop
-from chunkop import _rows
+from chunkop import _chunking
 
 METHODS = ("chunkop", "chunkop (no barrier)", "jax.vmap", "chunkop.vmap")
 OPS = ("matvec", "transpose", "grad", "hvp", "transpose, vmap over 4 y", "transpose, vmap over 2 row sets")
@@ -115,14 +115,14 @@ def compile_all(wl: B.Workload, op: str, args: tuple) -> tuple[dict, dict]:
     for m in METHODS:
         jax.clear_caches()
         if m == "chunkop (no barrier)":
-            saved, _rows.fusion_barrier = _rows.fusion_barrier, lambda chunk: chunk
+            saved, _chunking.fusion_barrier = _chunking.fusion_barrier, lambda chunk: chunk
         try:
             t0 = time.perf_counter()
             c = jax.jit(functions(wl, m)[op]).lower(*B.structs(args)).compile()
             compile_s = time.perf_counter() - t0
         finally:
             if m == "chunkop (no barrier)":
-                _rows.fusion_barrier = saved
+                _chunking.fusion_barrier = saved
         execs[m] = c
         text = c.as_text()
         hlo[m] = {

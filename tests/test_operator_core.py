@@ -274,19 +274,18 @@ def test_complex_weights_on_real_sky():
 
 
 def test_fusion_barrier_only_on_cpu(monkeypatch):
-    """The CPU-only trick (``_rows.fusion_barrier``) is one helper: present in the kernels on
-    CPU, absent where it was not measured, and it never changes a value."""
+    """The CPU-only trick (``_chunking.fusion_barrier``, a ``cond`` on each chunk read) is one
+    helper: present in the kernels on CPU, absent where it was not measured, and it never
+    changes a value."""
     from conftest import primitive_names
 
     from chunkop import _rows
 
     A = los_op(3)
     on_cpu = jax.default_backend() == "cpu"
-    assert ("optimization_barrier" in primitive_names(jax.make_jaxpr(A.mv)(X))) == on_cpu
-    assert ("optimization_barrier" in primitive_names(jax.make_jaxpr(A.T.mv)(Y))) == on_cpu
+    assert ("cond" in primitive_names(jax.make_jaxpr(A.mv)(X))) == on_cpu
+    assert ("cond" in primitive_names(jax.make_jaxpr(A.T.mv)(Y))) == on_cpu
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     B = los_op(3, rows=make_rows(seed=7))  # a fresh trace
-    assert "optimization_barrier" not in primitive_names(
-        jax.make_jaxpr(lambda x: _rows.forward(B.spec, B.consts, B.rows, x))(X)
-    )
+    assert "cond" not in primitive_names(jax.make_jaxpr(lambda x: _rows.forward(B.spec, B.consts, B.rows, x))(X))
     assert_tree_allclose(_rows.forward(B.spec, B.consts, B.rows, X), reference(los_row, B.rows, X))

@@ -1,6 +1,6 @@
 """The CPU fusion barrier of ``RowOperator`` (issue #16): values, placement and optimized HLO.
 
-``_rows.fusion_barrier`` passes each chunk's row data (and, in the transpose, the chunk of
+``_chunking.fusion_barrier`` passes each chunk's row data (and, in the transpose, the chunk of
 ``y``) through a ``lax.cond`` on a predicate that is always true but computed from the data, so
 that XLA:CPU does not fuse the slicing of the stacked rows into the fusion that computes the
 weights. With the users' literal weights ``-diff(exp(-(d - b) / (d s b)))`` that fusion (an
@@ -28,7 +28,7 @@ from conftest import assert_tree_allclose, primitive_names
 from jax.flatten_util import ravel_pytree
 
 import chunkop
-from chunkop import _rows
+from chunkop import _chunking, _rows
 
 NPIX, K = 13, 32
 EDGES = np.geomspace(40.0, 1700.0, K + 1)
@@ -139,17 +139,17 @@ def test_literal_row_fn_under_vmap():
 )
 def test_predicate_is_always_true(value):
     leaf = jnp.full((3, 2), value)
-    assert bool(_rows._always_true({"a": leaf}))
-    assert bool(jax.jit(_rows._always_true)({"a": leaf}))
-    through = jax.jit(_rows.fusion_barrier)({"a": leaf, "b": jnp.arange(3)})
+    assert bool(_chunking._always_true({"a": leaf}))
+    assert bool(jax.jit(_chunking._always_true)({"a": leaf}))
+    through = jax.jit(_chunking.fusion_barrier)({"a": leaf, "b": jnp.arange(3)})
     assert_tree_allclose(through, {"a": leaf, "b": jnp.arange(3)})
 
 
 def test_predicate_skips_empty_and_non_numeric_leaves():
-    assert _rows._always_true({"e": jnp.zeros((4, 0))}) is None
+    assert _chunking._always_true({"e": jnp.zeros((4, 0))}) is None
     keys = jax.random.split(jax.random.key(0), 4)
     chunk = {"k": keys, "x": jnp.zeros((4, 0)), "v": jnp.ones(4)}
-    out = jax.jit(_rows.fusion_barrier)(chunk)
+    out = jax.jit(_chunking.fusion_barrier)(chunk)
     assert_tree_allclose(out, chunk)
 
 
@@ -218,7 +218,7 @@ def test_optimized_hlo_weights_not_computed_from_row_slices(monkeypatch):
         assert not exp_fed_by_slice(text), f"{name}: exp computed from a slice of the rows in {exp_fed_by_slice(text)}"
     # the check can fail: without the barrier XLA:CPU fuses the slice into the weights. If this
     # stops holding, XLA changed its fusion and the barrier should be measured again.
-    monkeypatch.setattr(_rows, "fusion_barrier", lambda chunk: chunk)
+    monkeypatch.setattr(_chunking, "fusion_barrier", lambda chunk: chunk)
     jax.clear_caches()
     unguarded = _hlo_of_ops()
     jax.clear_caches()

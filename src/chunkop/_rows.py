@@ -12,8 +12,8 @@ weights computed from the row data are recomputed, never stored for all rows):
 
 - :func:`forward` ``(consts, rows, x)``: the matvec. Per chunk, the vmapped ``row_fn`` is
   linearised at ``x = 0`` (exact: it is linear) into ``fn(x, *weights)``, where ``weights``
-  (gather indices, weights) are computed once per chunk from the chunk's rows, which first pass
-  through :func:`fusion_barrier` (on CPU);
+  (gather indices, weights) are computed once per chunk from the chunk's rows, which the chunk
+  loop first passes through :func:`chunkop._chunking.fusion_barrier` (on CPU);
 - :func:`backward` ``(consts, rows, y)``: the transpose, ``jax.linear_transpose`` of the same
   ``fn`` applied to the chunk of ``y`` and summed into the ``x`` space;
 - :func:`forward_dparams` / :func:`backward_dparams`: their derivatives w.r.t. the float
@@ -176,70 +176,6 @@ def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum
 # -- the kernels ----------------------------------------------------------------------------------
 
 
-def _is_plain(a: Any) -> bool:
-    """Whether ``a`` is a numeric or boolean array (not, e.g., an array of PRNG keys)."""
-    dtype = a.dtype if hasattr(a, "dtype") else jnp.result_type(a)
-    if jnp.issubdtype(dtype, jax.dtypes.extended):
-        return False
-    return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
-
-
-def _always_true(tree: Any) -> jax.Array | None:
-    """A scalar ``True`` computed from ``tree``'s data, which XLA cannot prove true.
-
-    ``(bits of the first element | 1) != 0``, from the first non-empty numeric leaf (``None``
-    when there is none). It holds for every value, NaNs and zeros included.
-    """
-    for leaf in _tu.tree_leaves(tree):
-        if not _is_plain(leaf) or np.size(leaf) == 0:
-            continue
-        v = jnp.ravel(leaf)[0]
-        if jnp.issubdtype(v.dtype, jnp.complexfloating):
-            v = jnp.real(v)
-        if v.dtype == jnp.bool_:
-            v = v.astype(jnp.uint8)
-        bits = jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{8 * v.dtype.itemsize}"))
-        return (bits | 1) != 0
-    return None
-
-
-def fusion_barrier(chunk: Any) -> Any:
-    """A chunk's mapped operands, passed through a conditional XLA cannot remove (CPU only).
-
-    The scan reads each chunk as a slice of the stacked rows (a ``dynamic-slice`` of the
-    scan's input). XLA:CPU fuses that slice into the loop fusion that computes the weights
-    from the row data, and there (issue #16, the users' literal weights
-    ``-diff(exp(-(d - b) / (d s b)))``, whose ``exp`` of shape ``(chunk, n_bins + 1)`` both
-    slices of the ``diff`` read) the fusion ran about 4x slower than the same fusion fed by
-    plain buffers, as in the unchunked program. Passing the chunk's operands through a
-    ``lax.cond`` on a predicate that is always true but computed from the data
-    (:func:`_always_true`; the false branch returns zeros) makes the chunk a separate buffer:
-    XLA keeps a conditional whose branches differ, and nothing fuses across it. The weights
-    still fuse into their consumer (the gather-dot of the matvec, the scatter-add's update of
-    the transpose), which is the fastest form where the weights are cheap (the expm1 form).
-
-    ``lax.optimization_barrier`` on the computed weights (the previous barrier) is absent from
-    XLA:CPU's optimized HLO, and a ``lax.cond`` passing the computed weights through two
-    identical branches did not help (issue #16). Checked on the optimized HLO
-    (``tests/test_operator_fusion.py``). Under ``vmap`` with batched rows the predicate is
-    batched and JAX turns the conditional into a ``select``: no barrier there (the previous
-    speed). Other backends get no barrier until measured there.
-    """
-    if jax.default_backend() != "cpu":
-        return chunk
-    leaves, tree = _tu.tree_flatten(chunk)
-    gated = [i for i, a in enumerate(leaves) if _is_plain(a)]
-    pred = _always_true([leaves[i] for i in gated])
-    if pred is None:
-        return chunk
-    through = jax.lax.cond(
-        pred, lambda ls: list(ls), lambda ls: [jnp.zeros_like(a) for a in ls], [leaves[i] for i in gated]
-    )
-    for i, a in zip(gated, through):
-        leaves[i] = a
-    return _tu.tree_unflatten(tree, leaves)
-
-
 def _linear_parts(spec: Spec, consts: Any, rows_c: Any) -> tuple[Callable, list]:
     """One chunk's linear map ``x -> vmap(row_fn)(rows_c, x)`` as ``(fn, weights)``: ``fn(x, *weights)``.
 
@@ -281,7 +217,6 @@ def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
 
     def per_chunk(rows_c: Any, unmapped: Any) -> Any:
         consts, x = unmapped
-        rows_c = fusion_barrier(rows_c)
         fn, weights = _linear_parts(spec, consts, rows_c)
         return fn(x, *weights)
 
@@ -292,7 +227,7 @@ def backward(spec: Spec, consts: Any, rows: Any, y: Any) -> Any:
     """``A^T y``: the transposed ``row_fn`` summed over rows, chunk by chunk (wide accumulator)."""
 
     def per_chunk(chunk: Any, consts: Any) -> Any:
-        rows_c, y_c = fusion_barrier(chunk)
+        rows_c, y_c = chunk
         return _transpose_chunk(spec, consts, rows_c, y_c)
 
     return _chunk_loop(per_chunk, (rows, y), consts, spec, sum_like=spec.in_structure())
