@@ -34,12 +34,26 @@ MODES = ["eager", "jit", "grad", "vmap", "hessian"]
 
 
 def _names() -> list[str]:
-    names = [f"values-{m}-{c}-plain-{t}" for m, c, t in itertools.product(MESHES, CHUNKS, MODES)]
+    """The checks, pruned to keep the subprocess short (about 100 s of CPU on 2 cores)."""
+
+    def keep(m, c, t):
+        # chunk None is jax.vmap itself: its (slow) Hessian once; a dividing chunk: eager and jit
+        return not ((c is None and t == "hessian" and m != "explicit") or (c == 2 and t not in ("eager", "jit")))
+
+    names = [f"values-{m}-{c}-plain-{t}" for m, c, t in itertools.product(MESHES, CHUNKS, MODES) if keep(m, c, t)]
     names += [f"values-{m}-3-{b}-{t}" for m in MESHES for b in ("custom_jvp", "custom_vjp") for t in ("eager", "grad")]
-    names += [f"progress-{m}-{c}-{t}" for m in MESHES for c in (3, "auto") for t in MODES]
+    # progress: every transform on the Explicit mesh; eager (and grad) on the others
+    names += [f"progress-explicit-{c}-{t}" for c in (3, "auto") for t in MODES]
+    names += [f"progress-{m}-{c}-eager" for m in ("auto", "2d") for c in (3, "auto")]
+    names += [f"progress-{m}-3-grad" for m in ("auto", "2d")]
     names += [f"progress-{m}-None-eager" for m in MESHES]  # not chunking: no report
     names += [f"size-{m}-{c}-{t}" for m in MESHES for c in (None, 3, "auto") for t in ("eager", "jit", "grad")]
+    names += [f"size-{m}-3-{t}" for m in MESHES for t in ("vmap", "hessian")]
     names += [f"psum-{m}-{c}-{t}" for m in MESHES for c in (None, 3, "auto") for t in ("eager", "jit")]
+    # spmd_axis_name names the mesh axis: device-local chunking also where the types carry no
+    # sharding (an Auto mesh under jit / grad); with a progress callable
+    names += [f"spmd-{m}-{c}-jit" for m in ("auto", "2d") for c in (None, 3, "auto")]
+    names += [f"spmd-{m}-3-grad" for m in ("auto", "2d")]
     return names
 
 
@@ -49,6 +63,7 @@ if __name__ == "__main__" and "--list" in sys.argv:
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
+import time  # noqa: E402
 import traceback  # noqa: E402
 
 import jax  # noqa: E402
@@ -155,15 +170,16 @@ def budget_for(mode):
     return {"vmap": 2 * BUDGET, "hessian": 2 * 4096}.get(mode, BUDGET)
 
 
-def local_n(kind, mode):
+def local_n(kind, mode, spmd=False):
     """The mapped size each chunk loop sees: a device's shard, or all of N where the sharding is
-    not visible (an Auto mesh under jit, or under grad w.r.t. the mapped input: traced values)."""
-    if kind == "auto" and mode in ("jit", "grad"):
+    not visible (an Auto mesh under jit, or under grad w.r.t. the mapped input: traced values)
+    and no ``spmd_axis_name`` names the mesh axis."""
+    if kind == "auto" and mode in ("jit", "grad") and not spmd:
         return N
     return N // (2 if kind == "2d" else 4)
 
 
-def _check(kind, chunk, body, mode, coll=None, progress=False):
+def _check(kind, chunk, body, mode, coll=None, progress=False, spmd=False):
     mesh, axis = mesh_and_axis(kind)
     w, x, ws = data()
     f = make_fun(body, coll)
@@ -176,6 +192,7 @@ def _check(kind, chunk, body, mode, coll=None, progress=False):
         chunk_size=chunk,
         memory_budget=budget_for(mode) if chunk == "auto" else None,
         progress=(lambda k, n: calls.append((int(k), int(n)))) if progress else None,
+        spmd_axis_name=axis if spmd else None,
         **kw,
     )
     with jax.set_mesh(mesh):
@@ -191,15 +208,15 @@ def _check(kind, chunk, body, mode, coll=None, progress=False):
         jax.effects_barrier()
     close(actual, expected)
     # stacked outputs keep the mapped axis sharded (eagerly; under jit where types carry it)
-    if mode == "eager" or mode == "vmap" or (mode == "jit" and kind != "auto"):
+    if mode == "eager" or mode == "vmap" or (mode == "jit" and (kind != "auto" or spmd)):
         where = 1 if mode == "vmap" else 0
         assert spec_at(actual, where) == axis, (actual.sharding, axis)
     if chunk == "auto" and coll != "psum":
         plan = g.last_plan
-        assert plan is not None and plan.chunk is not None and plan.chunk < local_n(kind, mode), plan
+        assert plan is not None and plan.chunk is not None and plan.chunk < local_n(kind, mode, spmd), plan
     if progress:
         c = g.last_plan.chunk if chunk == "auto" else chunk
-        m = local_n(kind, mode)
+        m = local_n(kind, mode, spmd)
         if c is None or c >= m:
             assert calls == [], calls
         else:
@@ -219,6 +236,8 @@ def run_named(name):
         _check(parts[0], chunk, "plain", parts[2], progress=True)
     elif kind in ("size", "psum"):
         _check(parts[0], chunk, "plain", parts[2], coll=kind)
+    elif kind == "spmd":
+        _check(parts[0], chunk, "plain", parts[2], progress=True, spmd=True)
     else:
         raise AssertionError(name)
 
@@ -226,11 +245,13 @@ def run_named(name):
 def main(names):
     results = {}
     for name in names or _names():
+        start = time.perf_counter()
         try:
             run_named(name)
             results[name] = "ok"
         except Exception:  # noqa: BLE001 - reported to the test
             results[name] = traceback.format_exc(limit=6)[-2500:]
+        print(f"{time.perf_counter() - start:6.2f}s {name}", file=sys.stderr)
     print(json.dumps(results))
 
 

@@ -286,7 +286,8 @@ def sharded_xfail(name: str) -> str | None:
         return (
             "axis-size query (lax.axis_size / psum of an unmapped value) with inputs sharded along "
             "the mapped axis and chunk_size < n raises NameError: unbound axis name: i (jax.vmap: "
-            f"the full size n); repro {REPROS}/axis_size_sharded.py"
+            "the full size n); from _sharding._build's jax.eval_shape of fun without the axis "
+            f"env; repro {REPROS}/axis_size_sharded.py"
         )
     if kind == "psum" and chunk == "auto":
         return (
