@@ -66,14 +66,20 @@ _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def _inside_local():
-    """While tracing a device-local body: no further sharding dispatch (the shards are local)."""
-    prev = getattr(_LOCAL, "active", False)
-    _LOCAL.active = True
+def _inside_local(global_size: int | None = None):
+    """While tracing a device-local body: no further sharding dispatch (the shards are local);
+    ``global_size`` is the whole mapped axis' size, what axis-size queries must give there."""
+    prev = getattr(_LOCAL, "active", False), getattr(_LOCAL, "global_size", None)
+    _LOCAL.active, _LOCAL.global_size = True, global_size
     try:
         yield
     finally:
-        _LOCAL.active = prev
+        _LOCAL.active, _LOCAL.global_size = prev
+
+
+def local_global_size() -> int | None:
+    """Inside a device-local body of a sharded call: the size of the whole mapped axis."""
+    return getattr(_LOCAL, "global_size", None) if getattr(_LOCAL, "active", False) else None
 
 
 def _sharding_of(x: Any) -> NamedSharding | None:
@@ -193,8 +199,10 @@ def call_sharded(
             f"{shards} or shard them evenly."
         )
     axis_name = getattr(wrapper, "axis_name", None)
-    if axis_name is not None:
-        _refuse_collectives(wrapper, leaves, treedef, axes, n, mesh_axes)
+    if axis_name is not None and _refuse_collectives(wrapper, leaves, treedef, axes, n, mesh_axes):
+        # "auto" with a collective runs unchunked, as when not sharded: exactly jax.vmap
+        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+        return wrapper._unchunked(args, kwargs)
     dynamic = [_is_array(x) for x in leaves]
     static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
     dyn = [x for x, d in zip(leaves, dynamic) if d]
@@ -203,11 +211,12 @@ def call_sharded(
     # chunk loop inside is what is cached). Under an enclosing ``jax.jit`` this is staged once.
     specs = [_spec_at(a, mesh_axes.names) if a is not None else P() for a, d in zip(axes, dynamic) if d]
     dyn = [_conform(x, spec, mesh_axes) for x, spec in zip(dyn, specs)]
-    return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes)(*dyn)
+    return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes, n)(*dyn)
 
 
-def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: MeshAxes) -> None:
-    """A collective over ``axis_name`` would see one device's shard only: refuse it."""
+def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: MeshAxes) -> bool:
+    """A collective over ``axis_name`` would see one device's shard only: refuse it (True: it is
+    there, and ``chunk_size="auto"`` runs unchunked instead, as it does without sharding)."""
     from ._trace import trace_example
 
     try:
@@ -225,16 +234,23 @@ def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n:
     except ValueError as e:
         if "collective" not in str(e):
             raise
+        if wrapper.chunk_size == "auto":
+            return True
+        used = str(e).split("`fun` uses ", 1)[-1].split(",", 1)[0]  # "the collective `psum` over axis_name='i'"
         raise ValueError(
-            f"{wrapper.where}: `fun` uses a collective over axis_name={wrapper.axis_name!r}, but "
-            f"the mapped inputs are sharded over mesh axes {mesh_axes.names}, so each device "
-            f"would see only its own shard ({n // mesh_axes.n_shards} of {n}): a silently wrong "
-            f"result. Replicate the inputs, or compute the reduction with chunkop.sum."
+            f"{wrapper.where}: `fun` uses {used}, but the mapped inputs are sharded over mesh axes "
+            f"{mesh_axes.names}, so each device would see only its own shard "
+            f"({n // mesh_axes.n_shards} of {n}) and, with chunk_size={wrapper.chunk_size}, only a "
+            f"chunk of it: a silently wrong result. Use chunk_size=None (exactly jax.vmap), "
+            f"replicate the inputs, or compute the reduction with chunkop.sum."
         ) from None
+    return False
 
 
-def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, shapes: tuple, mesh_axes: MeshAxes):
-    """The ``shard_map`` of ``wrapper`` over the dynamic (array) leaves."""
+def _build(
+    wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, shapes: tuple, mesh_axes: MeshAxes, n: int
+):
+    """The ``shard_map`` of ``wrapper`` over the dynamic (array) leaves (``n``: the whole axis)."""
     where = getattr(wrapper, "where", "chunkop")
     mesh, names = mesh_axes
     n_leaves = len(axes)
@@ -252,7 +268,7 @@ def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, sha
 
     def call_local(*d: Any) -> Any:
         a, k = jax.tree_util.tree_unflatten(treedef, full_leaves(d))
-        with _inside_local():
+        with _inside_local(n):
             return wrapper(*a, **k)
 
     if kind == "stack":
@@ -267,7 +283,9 @@ def _build(wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, sha
             a, k = jax.tree_util.tree_unflatten(treedef, full_leaves(ex))
             return wrapper.fun(*a, **k)
 
-        per_example = jax.eval_shape(one, *examples)
+        axis_name = getattr(wrapper, "axis_name", None)
+        env = [(axis_name, n)] if axis_name is not None else []  # axis-size queries give the whole axis
+        per_example = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*examples)[1]
         oaxes = flat_out_axes(wrapper.out_axes, per_example, where)
         out_specs = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(per_example), [P() if a is None else _spec_at(a, names) for a in oaxes]

@@ -273,6 +273,7 @@ def trace_example(
     chunk_size: int,
     remat: Any,
     where: str,
+    axis_env_size: int | None = None,
 ) -> Traced:
     """Trace ``fun`` on one example of the mapped leaves; hoist what it closes over.
 
@@ -286,6 +287,8 @@ def trace_example(
         chunk_size: the chunk size (for messages).
         remat: the remat setting (``jax_custom_vjp3`` cannot differentiate it around a custom_vjp).
         where: the public name, for messages.
+        axis_env_size: what axis-size queries over ``axis_name`` give (default ``n``; the whole
+            axis' size when ``n`` is one device's shard of it).
 
     Returns:
         The :class:`Traced` function.
@@ -297,7 +300,8 @@ def trace_example(
         return fun(*args, **kwargs)
 
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
-    env = [(axis_name, n)] if axis_name is not None else []
+    n_env = n if axis_env_size is None else axis_env_size
+    env = [(axis_name, n_env)] if axis_name is not None else []
     with _fold_concrete(axis_name):
         closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
     if any(_jit_with_consts(eqn) for eqn in closed.jaxpr.eqns):
@@ -307,7 +311,7 @@ def trace_example(
         inner = closed
         closed = jax.make_jaxpr(lambda *ex: _eval_inlining_jits(inner.jaxpr, inner.consts, *ex), axis_env=env)(*structs)
     if axis_name is not None:
-        _check_collectives(closed, axis_name, n, chunk_size, where)
+        _check_collectives(closed, axis_name, n_env, chunk_size, where)
     refusal = None
     if jax.config.jax_custom_vjp3 and remat is not False and _has_eqn(closed.jaxpr, _is_custom_vjp):
         refusal = (

@@ -171,8 +171,11 @@ class _Chunked(abc.ABC):
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
         chunk = self.chunk_size
+        whole = _sharding.local_global_size() if self.axis_name is not None else None  # in a shard
         if chunk is None or (chunk != "auto" and n <= chunk):
-            return self._unchunked(args, kwargs)  # exactly jax.vmap, sharded inputs included
+            if whole is None or whole == n:
+                return self._unchunked(args, kwargs)  # exactly jax.vmap, sharded inputs included
+            chunk = n  # one device's whole shard: one chunk, axis-size queries giving the whole axis
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:  # each device chunks its own shard (see _sharding)
             return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
@@ -189,6 +192,7 @@ class _Chunked(abc.ABC):
                 chunk_size=n - 1 if chunk == "auto" else chunk,
                 remat=self.remat,
                 where=self.where,
+                axis_env_size=whole,
             )
         except ValueError:
             if chunk == "auto" and self.axis_name is not None:
