@@ -18,17 +18,15 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
-import json
 import re
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from _device_checks import run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -288,18 +286,5 @@ def docs_scaling_blocks_on_4_devices():
     assert namespace.get("npix", 0) >= 1000, "docs/scaling.md's operator example should be the wide (astro) case"
 
 
-def main(names):
-    results = {}
-    for name in names or list(CHECKS):
-        start = time.perf_counter()
-        try:
-            CHECKS[name]()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001
-            results[name] = traceback.format_exc()
-        print(f"{name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(CHECKS, sys.argv[1:])

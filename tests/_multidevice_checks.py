@@ -17,15 +17,14 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 
-import json
 import re
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import lineax as lx
 import numpy as np
+from _device_checks import run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -396,16 +395,5 @@ def operator_sharded_rows_auto():
     _operator_checks("auto")
 
 
-def main(names):
-    results = {}
-    for name in names or list(CHECKS):
-        try:
-            CHECKS[name]()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(CHECKS, sys.argv[1:])

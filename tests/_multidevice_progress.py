@@ -20,13 +20,12 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import contextlib
 import io
-import json
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _device_checks import run_checks
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -183,14 +182,7 @@ def partial_manual_mesh_clear_error():
 
 def main(names):
     assert len(jax.devices()) == 4, jax.devices()
-    results = {}
-    for name in names or list(CHECKS):
-        try:
-            CHECKS[name]()
-            results[name] = "ok"
-        except Exception:  # noqa: BLE001
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    run_checks(CHECKS, names)
 
 
 if __name__ == "__main__":

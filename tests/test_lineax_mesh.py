@@ -24,13 +24,10 @@ the rows (the dense matrix by ``np.add.at``; ``np.linalg.lstsq`` / ``solve`` in 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _device_checks import defined_checks, run_script
 
 SCRIPT = Path(__file__).with_name("_lineax_mesh_checks.py")
 NAMES = [
@@ -46,18 +43,11 @@ NAMES = [
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(SCRIPT), *NAMES], capture_output=True, text=True, timeout=900, env=env)
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, f"checks subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    return run_script(SCRIPT, NAMES)
 
 
 def test_every_check_is_listed():
-    text = SCRIPT.read_text()
-    defined = [line.split("def ")[1].split("(")[0] for line in text.split("@check\n")[1:]]
-    assert sorted(defined) == sorted(NAMES)
+    assert sorted(defined_checks(SCRIPT)) == sorted(NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,0 +1,53 @@
+"""Multi-device checks in a subprocess: one runner for the check scripts, one for the test files.
+
+JAX fixes its CPU device count when its backend starts, and the suite runs with one device, so
+the multi-device checks (``tests/_multidevice_checks.py``, ``_multidevice_progress.py``,
+``_lineax_mesh_checks.py``, ``_interaction_checks.py``) run in their own interpreter with
+``--xla_force_host_platform_device_count=4``. A script registers its checks with ``@check``
+and ends with ``run_checks(CHECKS, sys.argv[1:])``, printing one JSON object (check name -> "ok"
+or the failure's traceback) as its last line; a test file reads it with :func:`run_script`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+def run_checks(checks: dict[str, Callable[[], None]], names: Sequence[str]) -> None:
+    """Run the named checks (all when none is named); print the JSON result line (and timings
+    on stderr)."""
+    results = {}
+    for name in names or list(checks):
+        start = time.perf_counter()
+        try:
+            checks[name]()
+            results[name] = "ok"
+        except Exception:  # noqa: BLE001 - reported to the test, which fails on it
+            results[name] = traceback.format_exc()
+        print(f"{time.perf_counter() - start:6.2f}s {name}", file=sys.stderr)
+    print(json.dumps(results))
+
+
+def run_script(script: Path, names: Sequence[str] = (), timeout: int = 900) -> dict:
+    """Run a check script in a fresh interpreter on CPU (its own device count); its results."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(script), *names], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and lines, f"checks subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(lines[-1])
+
+
+def defined_checks(script: Path) -> list[str]:
+    """The names of the ``@check`` functions a script defines (to compare with a test's list)."""
+    text = script.read_text()
+    return [line.split("def ")[1].split("(")[0] for line in text.split("@check\n")[1:]]
