@@ -386,7 +386,12 @@ _RULE_KEYS = {"custom_jvp_call": _custom_jvp_key, "custom_vjp_call": _custom_vjp
 def _eqn_params_key(eqn: Any, depth: int, rule_depth: int) -> Hashable:
     rule_key = _RULE_KEYS.get(eqn.primitive.name)
     if rule_key is not None and rule_depth < _RULE_LEVELS:
-        return rule_key(eqn, depth, rule_depth)
+        try:
+            return rule_key(eqn, depth, rule_depth)
+        except Uncacheable:
+            raise
+        except Exception as err:  # JAX's internal params differ (another version): run uncached
+            raise Uncacheable(f"cannot key {eqn.primitive.name}: {err!r}") from err
     return tuple(sorted((k, _param_key(v, depth, rule_depth)) for k, v in eqn.params.items()))
 
 
