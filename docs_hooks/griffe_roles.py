@@ -18,32 +18,26 @@ docstring, two rewrites run on its text:
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 from typing import Any
 
 import griffe
 
 _ROLE = re.compile(r":(?:func|class|meth|attr|mod|obj|data):`~?([^`]+)`")
-_PUBLIC = {
-    "vmap",
-    "map",
-    "sum",
-    "mean",
-    "jacrev",
-    "jacfwd",
-    "AbstractRowOperator",
-    "RowOperator",
-    "TransposedRowOperator",
-    "check_linear",
-    "gram_diagonal",
-    "to_scipy",
-    "clear_caches",
-    "settings",
-    "configure",
-    "Settings",
-    "plan",
-    "BudgetPlan",
-}
+_INIT = Path(__file__).resolve().parents[1] / "src" / "chunkop" / "__init__.py"
+
+
+def _public_names() -> set[str]:
+    """``chunkop.__all__``, read from the package's ``__init__.py`` without importing it (jax)."""
+    for node in ast.parse(_INIT.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value)) - {"__version__"}
+    raise RuntimeError(f"no __all__ in {_INIT}")
+
+
+_PUBLIC = _public_names()
 _PROMPT = re.compile(r"^([ \t]*)>>>(?: |$)")
 _FENCE = re.compile(r"^[ \t]*(```|~~~)")
 _DIRECTIVE = re.compile(r"[ \t]*#[ \t]*doctest:.*$")

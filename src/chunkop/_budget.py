@@ -591,43 +591,13 @@ def plan_traced(wrapper: Any, traced: Any, spec: Any, mapped: list, n: int) -> B
 
 
 def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> BudgetPlan:
-    """The (cached) plan an ``"auto"`` wrapper makes for this call (what :func:`plan` reports).
-
-    The call's own pipeline: ``fun`` traced once on one example, then :func:`plan_traced`.
-    """
-    from ._chunking import make_plan as _make_plan
-    from ._trace import trace_example
-    from ._vmap import LoopSpec
-
+    """The (cached) plan an ``"auto"`` wrapper makes for this call (what :func:`plan` reports):
+    the call's own pipeline up to the plan (``fun`` traced once, then :func:`plan_traced`)."""
     del args, kwargs  # the flat leaves say it all
     if n <= 1:
         return unchunked_plan(n, wrapper.memory_budget, leaves)
-    try:
-        traced = trace_example(
-            wrapper.fun,
-            leaves,
-            treedef,
-            axes,
-            n,
-            axis_name=wrapper.axis_name,
-            chunk_size=n - 1,
-            remat=wrapper.remat,
-            where=wrapper.where,
-        )
-    except ValueError:
-        if wrapper.axis_name is None:
-            raise
-        # a collective over axis_name: chunks would each see part of the axis; run unchunked
-        return unchunked_plan(n, wrapper.memory_budget, leaves)
-    mapped = [i for i, a in enumerate(axes) if a is not None]
-    spec = LoopSpec(
-        axes=tuple(axes[i] for i in mapped),
-        plan=_make_plan(n, n),
-        remat=wrapper.remat,
-        spmd_axis_name=wrapper.spmd_axis_name,
-        out_axes=wrapper._flat_out_axes(traced.out_shapes),
-    )
-    return plan_traced(wrapper, traced, spec, [leaves[i] for i in mapped], n)
+    wrapper._trace_and_plan(leaves, treedef, axes, n, "auto")
+    return wrapper.last_plan
 
 
 # ----------------------------------------------------------------------------------------------

@@ -181,6 +181,31 @@ class _Chunked(abc.ABC):
             return _sharding.call_sharded(self, self.shard_kind, leaves, treedef, axes, n, sharded)
         if chunk == "auto" and n <= 1:
             return self._unchunked(args, kwargs)
+        traced, spec = self._trace_and_plan(leaves, treedef, axes, n, chunk, whole)
+        if traced is None:  # "auto" with a collective over axis_name: unchunked, as jax.vmap
+            return self._unchunked(args, kwargs)
+        mapped = [i for i, a in enumerate(axes) if a is not None]
+        if not traced.stageable:
+            if self.axis_name is not None:  # unrolled chunks would each see their own axis size
+                return self._unchunked(args, kwargs)
+            chunks = self._unstaged_chunks(leaves, treedef, axes, n, spec.plan.chunk)
+            return self._join(chunks, traced.out_shapes, n)
+        make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
+        loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
+        if traced.derivative_error is not None:
+            loop = _refusing_derivatives(loop, traced.derivative_error)
+        return loop(traced.consts, [leaves[i] for i in mapped])
+
+    def _trace_and_plan(
+        self, leaves: list, treedef: Any, axes: list, n: int, chunk: int | str, whole: int | None = None
+    ) -> tuple[Any, LoopSpec | None]:
+        """``fun`` traced once on one example, and the loop's spec at ``chunk``.
+
+        For ``"auto"`` the chunk is planned on that trace (``self.last_plan``); a plan that fits
+        the whole axis is one chunk without remat or progress. Returns ``(None, None)`` when
+        ``"auto"`` meets a collective over ``axis_name``: the call then runs unchunked. ``whole``
+        is the whole axis' size when ``n`` is one device's shard of it.
+        """
         try:
             traced = trace_example(
                 self.fun,
@@ -198,7 +223,7 @@ class _Chunked(abc.ABC):
             if chunk == "auto" and self.axis_name is not None:
                 # a collective over axis_name: chunks would each see part of the axis
                 self.last_plan = _budget.unchunked_plan(n, self.memory_budget, leaves)
-                return self._unchunked(args, kwargs)
+                return None, None
             raise
         mapped = [i for i, a in enumerate(axes) if a is not None]
         spec = LoopSpec(
@@ -215,15 +240,7 @@ class _Chunked(abc.ABC):
             spec = spec._replace(plan=make_plan(n, chunk))
             if chunk == n:  # the whole axis fits: one chunk, as jax.vmap (fun is not traced again)
                 spec = spec._replace(remat=False, progress=None)
-        if not traced.stageable:
-            if self.axis_name is not None:  # unrolled chunks would each see their own axis size
-                return self._unchunked(args, kwargs)
-            return self._join(self._unstaged_chunks(leaves, treedef, axes, n, chunk), traced.out_shapes, n)
-        make = functools.partial(self._loop, traced.jaxpr, traced.out_shapes, spec)
-        loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
-        if traced.derivative_error is not None:
-            loop = _refusing_derivatives(loop, traced.derivative_error)
-        return loop(traced.consts, [leaves[i] for i in mapped])
+        return traced, spec
 
     def _unstaged_chunks(self, leaves: list, treedef: Any, axes: list, n: int, chunk: int) -> list:
         """Each chunk's per-example outputs, by a Python loop of ``jax.vmap`` calls of ``fun``.
