@@ -235,3 +235,37 @@ def test_clear_caches_empties_plans_too_and_settings_bound_the_loop_cache():
     finally:
         chunkop.configure(**old._asdict())
     assert chunkop.settings() == old
+
+
+def _module_level_callback(v):
+    return np.sin(v).astype(np.float32)
+
+
+def test_callback_made_per_call_is_not_cached_and_not_kept():
+    """A ``pure_callback`` with a per-call lambda can only be keyed by identity: the call runs
+    uncached (correct each time, nothing kept by chunkop's cache); a module-level callback is
+    cached once."""
+    refs = []
+    for i in range(3):
+        table = np.full(3, float(i + 1), np.float32)
+        cb = lambda v, table=table: (v * table[0]).astype(np.float32)
+        out = chunkop.vmap(
+            lambda x, cb=cb: jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"),
+            chunk_size=3,
+        )(X)
+        np.testing.assert_allclose(out, X * (i + 1), rtol=1e-6)
+        refs.append(weakref.ref(table))
+        del cb, table
+    assert len(_cache._LOOPS) == 0
+    jax.clear_caches()  # JAX's own compilation caches hold the callbacks too, as for jax.jit
+    gc.collect()
+    assert all(r() is None for r in refs), "a per-call callback's closure is kept alive"
+    for _ in range(3):
+        out = chunkop.vmap(
+            lambda x: jax.pure_callback(
+                _module_level_callback, jax.ShapeDtypeStruct(x.shape, x.dtype), x, vmap_method="sequential"
+            ),
+            chunk_size=3,
+        )(X)
+        np.testing.assert_allclose(out, jnp.sin(X), rtol=1e-6)
+    assert len(_cache._LOOPS) == 1

@@ -14,9 +14,11 @@ any jaxpr, their constants by value (arrays by their bytes). So a rule's ``nondi
 values, the cells it closes over, the globals and NumPy arrays it reads, and a rule defined
 afresh on every call all key by what they compute, never by identity. Rules nested inside a
 rule's jaxpr (second-order rules) and other callables (host callbacks, checkpoint policies) are
-keyed by identity (through a weak reference, so a dead function never matches a new one that
-reuses its address) together with what they close over, by value; a callback is called when the
-program runs, so what it reads then is never stale. Floats are keyed by their bits (``0.0`` and
+keyed by identity only when they are defined at module level (they live as long as their
+module; held through a weak reference, together with what they close over, by value); a
+callback is called when the program runs, so what it reads then is never stale. A callable made
+per call (a lambda, a closure, a callable object) can only be keyed by identity, so such a call
+runs uncached: a cached loop would keep it and what it closes over alive. Floats are keyed by their bits (``0.0`` and
 ``-0.0`` differ, ``nan`` matches itself). Anything that cannot be keyed safely (a large array
 baked into a sub-jaxpr or a rule, an unhashable parameter) makes the call run uncached: correct,
 compiled afresh, and never kept.
@@ -29,8 +31,10 @@ the custom rules and callbacks of at most that many loops hold. :func:`clear_cac
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import functools
+import sys
 import threading
 import types
 import weakref
@@ -174,14 +178,43 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
                 elif _is_simple(value):
                     parts.append(_simple_key(value))
             return ("jax", fn.__code__, tuple(parts))
+        if not _is_module_level(fn):
+            # A function made per call (a lambda, a closure) can only be keyed by identity: a
+            # cached loop would keep it and what it closes over alive and compile per call anyway.
+            raise Uncacheable(f"{fn.__qualname__} is defined inside a function: keyed only by identity")
         return ("user", _Ident(fn), tuple(value_key(v, depth + 1) for v in _cells(fn)))
     if (type(fn).__module__ or "").startswith(("jax._src", "jax.")):
+        if dataclasses.is_dataclass(fn):
+            # JAX's wrappers of a user callable (a host callback's flat wrapper ...): the fields,
+            # the user's callable among them, keyed like any other (never held by the key).
+            fields = tuple(getattr(fn, f.name) for f in dataclasses.fields(fn))
+            return ("jax-dataclass", type(fn), tuple(_field_key(v, depth + 1) for v in fields))
         try:  # JAX's own callable objects (checkpoint policies ...) define value equality
             hash(fn)
             return ("jax-object", type(fn), fn)
         except TypeError:
             pass
-    return ("object", _Ident(fn))
+    raise Uncacheable(f"callable object of type {type(fn).__name__} can only be keyed by identity")
+
+
+def _field_key(value: Any, depth: int) -> Hashable:
+    if _is_function_like(value):
+        return callable_key(value, depth)
+    if isinstance(value, jax.tree_util.PyTreeDef) or _is_simple(value):
+        return _simple_key(value)
+    return value_key(value, depth)
+
+
+def _is_module_level(fn: types.FunctionType) -> bool:
+    """Whether ``fn`` is what its module's name for it refers to (a ``def`` at module or class
+    level): such a function lives as long as its module, so keying it by identity keeps nothing
+    alive that would otherwise die."""
+    if "<" in fn.__qualname__:  # <lambda>, <locals>
+        return False
+    obj: Any = sys.modules.get(fn.__module__ or "")
+    for part in fn.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is fn or getattr(obj, "__func__", None) is fn
 
 
 def _param_tuple_key(params: Any, depth: int) -> Hashable:
@@ -224,7 +257,11 @@ def value_key(value: Any, depth: int = 0) -> Hashable:
             return ("jax-object", type(value), value)
         except TypeError:
             pass
-    return ("ident", _Ident(value))
+    if isinstance(value, (types.ModuleType, type)):
+        return ("ident", _Ident(value))
+    # Any other object can only be keyed by identity: a cached loop would keep it alive, and
+    # what it holds may change without its identity changing. The call runs uncached.
+    raise Uncacheable(f"object of type {type(value).__name__} can only be keyed by identity")
 
 
 def _is_array(value: Any) -> bool:
