@@ -209,9 +209,28 @@ def test_check_linear_rejects_non_linear_row_fn(name, row_fn, pattern, transpose
     assert str(info.value).startswith("check_linear:")
 
 
-def test_check_linear_rejects_a_row_fn_the_kernels_cannot_apply():
+def test_row_fn_stopping_the_gradient_of_x_is_refused_at_construction():
     """``stop_gradient(x)`` is linear in value, but has no derivative: the operator's kernels
-    (built from ``row_fn``'s linearisation) cannot apply it, and check_linear says so."""
-    bad = chunkop.RowOperator(lambda r, x: jax.lax.stop_gradient(los_row(r, x)), ROWS, STRUCT, chunk_size=3)
-    with pytest.raises(ValueError, match=r"check_linear: (operator\.mv\(x\) differs|<A x, y>)"):
+    (built from ``row_fn``'s linearisation) would give ``mv = 0``; it is refused when built,
+    also inside an inner jit. ``stop_gradient`` of the row's own weights is fine."""
+    for row_fn in (
+        lambda r, x: jax.lax.stop_gradient(los_row(r, x)),
+        lambda r, x: jax.jit(lambda r, x: los_row(r, jax.lax.stop_gradient(x)))(r, x),
+    ):
+        with pytest.raises(ValueError, match=r"RowOperator: `row_fn` applies `jax.lax.stop_gradient` to `x`"):
+            chunkop.RowOperator(row_fn, ROWS, STRUCT, chunk_size=3)
+    A = chunkop.RowOperator(lambda r, x: los_row(jax.lax.stop_gradient(r), x), ROWS, STRUCT, chunk_size=3)
+    ref = chunkop.RowOperator(los_row, ROWS, STRUCT, chunk_size=3)
+    x = jnp.linspace(0.0, 1.0, int(np.prod(STRUCT.shape))).reshape(STRUCT.shape)
+    np.testing.assert_allclose(A.mv(x), ref.mv(x), rtol=1e-6)
+
+
+def test_check_linear_names_out_of_range_indices_that_fill_nan():
+    """``jnp.take``'s default ``mode='fill'`` reads NaN out of range: every measured error would
+    be NaN, which must fail (a NaN compares False with any tolerance), naming the likely cause."""
+    n = int(STRUCT.shape[0])
+    bad = chunkop.RowOperator(
+        lambda r, x: jnp.take(x, r["i"] + n, axis=0), {"i": jnp.arange(4) % n}, STRUCT, chunk_size=3
+    )
+    with pytest.raises(ValueError, match=r"check_linear: row_fn gives non-finite values.*out-of-range indices"):
         chunkop.check_linear(bad)

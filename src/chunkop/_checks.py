@@ -97,9 +97,10 @@ def check_linear(
 
     Raises:
         ValueError: naming the failed test and its error, e.g. when ``row_fn`` is not linear in
-            ``x``. A failed adjoint test with a linear ``row_fn`` usually means out-of-range
-            gather indices: ``A.mv`` clamps them (JAX's indexing) while the transpose drops
-            their contributions; the message says so.
+            ``x``. A failed adjoint test names its cause: a transpose kernel that does not
+            transpose ``row_fn`` (a subclass's ``apply_transpose``), or, when the kernel agrees
+            with ``jax.linear_transpose`` of ``row_fn``, out-of-range gather indices (the
+            gather clamps them while the transpose drops their contributions).
         TypeError: if ``operator`` is not a RowOperator (or its transpose).
 
     Example:
@@ -122,6 +123,12 @@ def check_linear(
     mv = functools.partial(_row_fn_mv, operator)
     a, b = 0.7, -1.3
     ax1, ax2 = mv(x1), mv(x2)
+    if not bool(jnp.isfinite(_norm(ax1) + _norm(ax2))):
+        raise ValueError(
+            "check_linear: row_fn gives non-finite values (NaN or inf) for finite random x. A likely "
+            "cause: out-of-range indices read with a NaN fill (jnp.take's default mode='fill', "
+            "x.at[idx].get(mode='fill')). Check the rows' indices."
+        )
     scale = _norm(ax1) + _norm(ax2) + jnp.finfo(dtype).tiny
     zero = jax.tree_util.tree_map(jnp.zeros_like, x1)
     errors = {
@@ -138,12 +145,12 @@ def check_linear(
             / scale
         ),
     }
-    if errors["zero"] > rtol:
+    if not errors["zero"] <= rtol:  # NaN fails too
         raise ValueError(
             f"check_linear: the operator is not linear in x: A(0) = {errors['zero']:.3g} x |A x| "
             f"is not 0 (an affine or non-linear row_fn?)."
         )
-    if errors["superposition"] > rtol:
+    if not errors["superposition"] <= rtol:  # NaN fails too
         raise ValueError(
             f"check_linear: the operator is not linear in x: A(a x1 + b x2) differs from "
             f"a A(x1) + b A(x2) by {errors['superposition']:.3g} (relative; tolerance {rtol:.3g})."
@@ -152,19 +159,42 @@ def check_linear(
         _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), _mv(operator, x1), ax1))
         / (_norm(ax1) + jnp.finfo(dtype).tiny)
     )
-    if errors["matvec"] > rtol:
+    if not errors["matvec"] <= rtol:  # NaN fails too
         raise ValueError(
             f"check_linear: operator.mv(x) differs from row_fn applied row by row by "
             f"{errors['matvec']:.3g} (relative; tolerance {rtol:.3g})."
         )
     lhs, rhs = _dot(ax1, y), _dot(x1, _rmv(operator, y))
     errors["adjoint"] = float(jnp.abs(lhs - rhs) / (jnp.abs(lhs) + jnp.abs(rhs) + jnp.finfo(dtype).tiny))
-    if errors["adjoint"] > rtol:
+    if not errors["adjoint"] <= rtol:  # NaN fails too
         raise ValueError(
             f"check_linear: <A x, y> = {_num(lhs)} but <x, A^T y> = {_num(rhs)} "
-            f"(relative error {errors['adjoint']:.3g}, tolerance {rtol:.3g}). A likely cause: "
-            "gather indices out of range in row_fn (e.g. x[idx] with idx >= the axis size): "
-            "A.mv clamps them, as JAX's indexing does, while the transpose drops their "
-            "contributions. Check the rows' indices."
+            f"(relative error {errors['adjoint']:.3g}, tolerance {rtol:.3g}). {_adjoint_cause(operator, y, rtol)}"
         )
     return errors
+
+
+def _adjoint_cause(operator: Any, y: Any, rtol: float) -> str:
+    """Why the adjoint test failed: ``A.T.mv`` against ``jax.linear_transpose`` of ``row_fn``
+    applied row by row (unchunked) tells a wrong transpose kernel from out-of-range indices."""
+    in_struct = operator.in_structure()
+    try:
+        (reference,) = jax.jit(
+            lambda op, y: jax.linear_transpose(lambda x: jax.vmap(op.row_fn, (0, None))(op.rows, x), in_struct)(y)
+        )(operator, y)
+    except Exception as err:  # noqa: BLE001 - a diagnosis only: say what could not be checked
+        return f"(The transpose of row_fn could not be computed to tell the cause: {type(err).__name__}.)"
+    ours = _rmv(operator, y)
+    diff = _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), ours, reference))
+    kernel_error = float(diff / (_norm(reference) + _norm(ours) + jnp.finfo(jnp.float32).tiny))
+    if not kernel_error <= rtol:
+        return (
+            f"A.T.mv differs from jax.linear_transpose of row_fn by {kernel_error:.3g} (relative): "
+            f"the transpose kernel ({type(operator).__name__}.apply_transpose) does not transpose row_fn."
+        )
+    return (
+        "A.T.mv agrees with jax.linear_transpose of row_fn, so row_fn's own transpose does not match "
+        "its values. A likely cause: gather indices out of range in row_fn (e.g. x[idx] with idx >= "
+        "the axis size): the gather clamps them, as JAX's indexing does, while the transpose drops "
+        "their contributions. Check the rows' indices."
+    )

@@ -114,6 +114,14 @@ def make_spec(
     closed, out_shape = jax.make_jaxpr(lambda r, x: row_fn(r, x), return_shape=True)(row0, in_structure)
     jaxpr = closed.jaxpr
     row_tree = _tu.tree_structure(row0)
+    if _stops_gradient_of_x(jaxpr, set(jaxpr.invars[len(_tu.tree_leaves(row0)) :])):
+        raise ValueError(
+            "RowOperator: `row_fn` applies `jax.lax.stop_gradient` to `x` (or to a value computed from "
+            "it). The operator is applied through its linear part in `x` (`jax.linearize`, "
+            "`jax.linear_transpose`), which `stop_gradient` hides: `mv` would be zero and `T.mv` has "
+            "no transpose. Remove the `stop_gradient` on `x` (the operator's derivatives w.r.t. its "
+            "rows and closed-over arrays are exact), or apply it only to weights computed from the row."
+        )
     out_tree = _tu.tree_structure(out_shape)
     try:
         progress_key = progress if progress is None or isinstance(progress, bool) else callable_key(progress)
@@ -122,6 +130,25 @@ def make_spec(
         key = None
     spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key, progress)
     return spec, tuple(closed.consts)
+
+
+def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:
+    """Whether a ``stop_gradient`` in ``jaxpr`` (or a sub-jaxpr) reads a value that depends on
+    the variables in ``depends``. Sub-jaxprs whose inputs line up with the equation's are
+    followed input by input; any other sub-jaxpr is assumed to depend on all its inputs."""
+    depends = set(depends)
+    for eqn in jaxpr.eqns:
+        hit = [not isinstance(v, jax.extend.core.Literal) and v in depends for v in eqn.invars]
+        if not any(hit):
+            continue
+        if eqn.primitive.name == "stop_gradient":
+            return True
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            inner = set(sub.invars) if len(sub.invars) != len(hit) else {v for v, h in zip(sub.invars, hit) if h}
+            if _stops_gradient_of_x(sub, inner):
+                return True
+        depends.update(eqn.outvars)
+    return False
 
 
 # -- dtype helpers --------------------------------------------------------------------------------
