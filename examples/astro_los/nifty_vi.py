@@ -18,16 +18,27 @@ The model (``pip install -e ".[nifty]"``, NIFTy.re is ``import nifty.re as jft``
 * **inference**: ``jft.optimize_kl`` (MGVI: linear samples, mirrored, and a KL minimisation by
   Newton-CG per iteration).
 
-The truth is a draw from the prior (fixed seed) and the lines are the users' random lines
-(``los.draw_lines``); data get Gaussian noise of 2% of the rms signal. The script prints the
-relative errors of the posterior mean vs the truth (the sky and its distance-integrated column)
-and the fraction of pixels where the truth lies within two posterior standard deviations, and
-writes ``posterior.png`` (truth vs posterior mean and std) and ``results.json`` into ``--out``
-(default ``outputs/astro_los_nifty/``).
+The truth is a draw from the model's own prior (every latent, the spectrum's hyperparameters
+included; fixed seed) and the lines are the users' random lines (``los.draw_lines``); data get
+Gaussian noise of 2% of the rms signal (``--noise``). The sample-drawing CG runs to convergence
+(cap 300; the metric applications are counted and reported), NIFTy's ``minisanity`` is logged
+every iteration (reduced chi^2 of the data and of every latent excitation), and the script
+reports the KL energy trajectory, the chi^2 per line of the posterior mean, z-scores and 2-sigma
+coverage of the log-sky (per voxel and per distance bin), of the column (sum over the bins) and
+of the combination the lines measure, and the truth's z-score for each hyperparameter. It
+writes ``posterior.png`` and ``results.json`` into ``--out`` (default
+``outputs/astro_los_nifty/``). ``--geovi`` switches to geoVI; ``--fix-hyperparameters`` is a
+diagnostic run with the spectrum held at its truth.
+
+Units: distances in pc; the sky in the model's arbitrary density units (prior median
+``rho(r)``, 1 at r = 0); the column is the sum over the radial bins (uniform in ``ln r``) in the
+same units.
 
 The data constrain about one radial combination per pixel (``examples/astro_los/README.md``,
-"One number per pixel"): the column is well measured, the radial structure mostly comes from
-the prior, and the posterior standard deviation says so.
+"One number per pixel"): every line through a pixel measures ``sum_k v_k sky_k`` with
+``v ~ diff(-1/b)`` up to a factor ``1/s``. What the posterior does with the rest is documented in
+``docs/nifty.md`` with the measured numbers (``nifty_tiny_results.json``): MGVI's linear samples
+under the ``exp`` of the log-normal sky are not calibrated off the measured combination.
 """
 
 from __future__ import annotations
@@ -64,14 +75,30 @@ class Size:
     chunk: int  # lines per chunk of the RowOperator
     iters: int  # optimize_kl iterations
     samples: int  # MGVI samples per iteration (mirrored: twice as many are used)
-    cg_iters: int  # cap on the CG iterations that draw a sample
+    cg_iters: int  # cap on the CG iterations that draw a sample (they stop earlier when converged)
     kl_iters: int  # cap on the Newton-CG steps of each KL minimisation
 
 
 SIZES = {
-    "tiny": Size(nx=8, ny=6, n_bins=12, n_los=1500, chunk=500, iters=2, samples=2, cg_iters=20, kl_iters=3),
-    "small": Size(nx=32, ny=24, n_bins=24, n_los=24_000, chunk=4096, iters=12, samples=4, cg_iters=60, kl_iters=8),
+    "tiny": Size(nx=8, ny=6, n_bins=12, n_los=1500, chunk=500, iters=6, samples=4, cg_iters=300, kl_iters=10),
+    "small": Size(nx=32, ny=24, n_bins=24, n_los=24_000, chunk=4096, iters=12, samples=4, cg_iters=300, kl_iters=10),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Prior:
+    """The hyperparameter priors of the correlated field: ``(mean, std)`` of each, as
+    ``jft.CorrelatedFieldMaker`` takes them (``None``: that part of the spectrum is left out)."""
+
+    offset_std: tuple[float, float] = (0.3, 0.1)
+    xy_fluctuations: tuple[float, float] = (0.6, 0.2)
+    xy_slope: tuple[float, float] = (-3.0, 0.5)
+    xy_flexibility: tuple[float, float] | None = (0.5, 0.2)
+    r_fluctuations: tuple[float, float] = (0.6, 0.2)
+    r_slope: tuple[float, float] = (-4.0, 0.5)
+
+
+PRIORS = {"default": Prior()}
 
 
 def radial_profile(edges: np.ndarray) -> np.ndarray:
@@ -80,17 +107,17 @@ def radial_profile(edges: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + (r / 400.0) ** 2)
 
 
-def correlated_field(nx: int, ny: int, edges: np.ndarray) -> jft.Model:
+def correlated_field(nx: int, ny: int, edges: np.ndarray, prior: Prior = Prior()) -> jft.Model:
     """The log-density prior: a correlated field on ``(nx, ny, n_bins)`` (pixels of unit size,
     radial bins uniform in ``ln r``) with a product of a plane-of-sky and a radial power spectrum."""
     cfm = jft.CorrelatedFieldMaker("sky ")
-    cfm.set_amplitude_total_offset(offset_mean=0.0, offset_std=(0.3, 0.1))
+    cfm.set_amplitude_total_offset(offset_mean=0.0, offset_std=prior.offset_std)
     cfm.add_fluctuations(
         (nx, ny),
         distances=1.0,
-        fluctuations=(0.6, 0.2),
-        loglogavgslope=(-3.0, 0.5),
-        flexibility=(0.5, 0.2),
+        fluctuations=prior.xy_fluctuations,
+        loglogavgslope=prior.xy_slope,
+        flexibility=prior.xy_flexibility,
         asperity=None,
         prefix="xy ",
         non_parametric_kind="power",
@@ -99,8 +126,8 @@ def correlated_field(nx: int, ny: int, edges: np.ndarray) -> jft.Model:
     cfm.add_fluctuations(
         edges.size - 1,
         distances=dlnr,
-        fluctuations=(0.6, 0.2),
-        loglogavgslope=(-4.0, 0.5),
+        fluctuations=prior.r_fluctuations,
+        loglogavgslope=prior.r_slope,
         flexibility=None,
         asperity=None,
         prefix="r ",
@@ -184,18 +211,27 @@ def _posterior_summary(sky: Sky, A: chunkop.RowOperator, samples: Any) -> tuple[
     return skies, A.mv(skies.mean(0))
 
 
-def make_setup(size: str = "small", *, seed: int = 0, noise: float = 0.02, chunk: int | None = None) -> Setup:
-    """A synthetic problem: a prior draw as the truth, the users' random lines, noisy data."""
-    if size not in SIZES:
+def make_setup(
+    size: str | Size = "small",
+    *,
+    seed: int = 0,
+    noise: float = 0.02,
+    chunk: int | None = None,
+    prior: str | Prior = "default",
+) -> Setup:
+    """A synthetic problem: a draw from the model's own prior (hyperparameters included) as the
+    truth, the users' random lines, noisy data."""
+    if isinstance(size, str) and size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    cfg = SIZES[size]
+    cfg = SIZES[size] if isinstance(size, str) else size
+    prior = PRIORS[prior] if isinstance(prior, str) else prior
     edges = los.bin_edges(cfg.n_bins)
-    field = correlated_field(cfg.nx, cfg.ny, edges)
+    field = correlated_field(cfg.nx, cfg.ny, edges, prior)
     sky = Sky(field, jnp.asarray(np.log(radial_profile(edges)), jnp.float32))
     rng = np.random.default_rng(seed)
     pix, d, s = los.draw_lines(cfg.n_los, cfg.nx * cfg.ny, rng)
     A = los.make_los_operator(pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk or cfg.chunk)
-    xi_true = jft.Vector(sky.init(jax.random.key(seed + 1)))
+    xi_true = jft.Vector(sky.init(jax.random.key(seed + 1)))  # every latent, hyperparameters too
     sky_true, y_clean = _truth_and_data(sky, A, xi_true)
     sigma = float(noise * jnp.sqrt(jnp.mean(y_clean**2)))
     y = y_clean + sigma * jnp.asarray(rng.standard_normal(cfg.n_los), jnp.float32)
@@ -206,24 +242,105 @@ def rel_err(a: jax.Array, b: jax.Array) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
+class CountingCG:
+    """``jft.conjugate_gradient.cg`` that records, per solve, how many times it applied the
+    metric (CG iterations + 1 for the start residual + 1 per restart every 20 iterations) and
+    whether it converged (NIFTy's ``info == 0``) rather than stopping at ``maxiter``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, mat, j, x0=None, **kwargs):
+        n = [0]
+
+        def counted(x):
+            n[0] += 1
+            return mat(x)
+
+        x, info = jft.conjugate_gradient.cg(counted, j, x0, **kwargs)
+        self.calls.append((n[0], int(info) == 0))
+        return x, info
+
+
+def _latent_stats(samples: Any, truth: Any) -> dict:
+    """Per latent leaf: NIFTy's reduced chi^2 of the excitations (``jft.reduced_residual_stats``:
+    mean over samples of ``|xi|^2 / n``; about 1 under the prior) and, for the scalar
+    hyperparameters, the truth's z-score under the posterior samples."""
+    stats = jft.reduced_residual_stats(samples)
+    out = {}
+    for k, st in stats.tree.items():
+        entry = {"reduced_chi2": float(st.reduced_chisq[0]), "ndof": int(st.ndof)}
+        if samples.samples.tree[k].ndim == 1:  # a scalar latent: (n_samples,)
+            s = samples.samples.tree[k]
+            entry["posterior_mean"] = float(s.mean())
+            entry["posterior_std"] = float(s.std(ddof=1))
+            entry["truth"] = float(truth.tree[k])
+            entry["truth_z"] = float((truth.tree[k] - s.mean()) / s.std(ddof=1))
+        out[k] = entry
+    return out
+
+
+@jax.jit
+def _prior_log_sky_std(sky: Sky, key: jax.Array) -> jax.Array:
+    """The prior standard deviation of ``log sky`` per voxel, from 256 prior draws."""
+    keys = jax.random.split(key, 256)
+    logs = jax.vmap(lambda k: jnp.log(sky(jft.Vector(sky.init(k)))))(keys)
+    return logs.std(0)
+
+
+def measured_weights(edges: np.ndarray) -> np.ndarray:
+    """What one line measures, normalised: ``w_k ~ (1/b_k - 1/b_{k+1}) / s`` within ~1% for all
+    distances (``los.py``), so every line through a pixel sees nearly the same combination
+    ``sum_k v_k sky_k``, ``v = diff(-1/b) / sum``."""
+    v = 1.0 / edges[:-1] - 1.0 / edges[1:]
+    return v / v.sum()
+
+
+def posterior_stats(S: Setup, skies: jax.Array) -> dict:
+    """Accuracy and calibration of the posterior samples ``skies`` (n_samples, n_pix, n_bins)
+    against the truth: z-scores ``(truth - mean) / std`` and 2-sigma coverage of the log-sky per
+    voxel and per distance bin, of the column (sum over the bins) and of the data-weighted
+    combination the lines measure."""
+    truth = S.sky_true
+    logs = jnp.log(skies)
+    z_log = (jnp.log(truth) - logs.mean(0)) / logs.std(0, ddof=1)
+    v = jnp.asarray(measured_weights(S.edges), skies.dtype)
+    out = {"log_sky_z": z_log}
+    for name, q, q_true in (
+        ("column", skies.sum(-1), truth.sum(-1)),
+        ("measured", skies @ v, truth @ v),
+    ):
+        out[f"{name}_z"] = (q_true - q.mean(0)) / q.std(0, ddof=1)
+        out[f"{name}_mean"], out[f"{name}_std"] = q.mean(0), q.std(0, ddof=1)
+    return out
+
+
 def run(
-    size: str = "small",
+    size: str | Size = "small",
     out: str | None = "outputs/astro_los_nifty",
     *,
     iters: int | None = None,
     samples: int | None = None,
     chunk: int | None = None,
     seed: int = 0,
+    noise: float = 0.02,
+    prior: str | Prior = "default",
+    sample_mode: str = "linear_resample",
+    fix_hyperparameters: bool = False,
     figures: bool = True,
+    verbose: bool = True,
 ) -> dict:
-    """Run MGVI on the problem of ``size``; returns the results (also written to ``out``)."""
+    """Run MGVI (or geoVI: ``sample_mode="nonlinear_resample"``) on the problem of ``size``;
+    returns the results (also written to ``out``). ``fix_hyperparameters``: a diagnostic run
+    with the spectrum's hyperparameters held at their true values (not inferred)."""
     t0 = time.perf_counter()
-    S = make_setup(size, seed=seed, chunk=chunk)
+    S = make_setup(size, seed=seed, noise=noise, chunk=chunk, prior=prior)
     cfg = S.size
     lh = S.likelihood("chunkop")
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(S.xi_true))
+    size_name = size if isinstance(size, str) else "custom"
     print(
-        f"{size}: sky {cfg.nx}x{cfg.ny} pixels x {cfg.n_bins} bins, {cfg.n_los} lines "
+        f"{size_name}: sky {cfg.nx}x{cfg.ny} pixels x {cfg.n_bins} bins, {cfg.n_los} lines "
         f"(chunk {S.A.chunk_size}), {n_params} latent parameters",
         flush=True,
     )
@@ -231,59 +348,150 @@ def run(
     key, k_init = jax.random.split(jax.random.key(seed + 2))
     xi0 = jft.Vector(lh.init(k_init))
     xi0 = jax.tree_util.tree_map(lambda x: 0.1 * x, xi0)  # start near the prior median
+    hyper = tuple(k for k in S.xi_true.tree if k != "sky xi")
+    fixed: tuple[str, ...] = ()
+    if fix_hyperparameters:
+        fixed = hyper
+        xi0 = jft.Vector({k: (S.xi_true.tree[k] if k in fixed else v) for k, v in xi0.tree.items()})
+
+    cg = CountingCG()
+    history: list[dict] = []
+
+    def callback(smpls: jft.Samples, state: Any) -> None:
+        ms = state.minimization_state
+        resid = jft.reduced_residual_stats(smpls, lh.normalized_residual)
+        entry = {
+            "iteration": int(state.nit),
+            "kl_energy": float(ms.fun),
+            "kl_newton_steps": int(ms.nit),
+            "kl_converged": int(ms.status) == 0,
+            "reduced_chi2_data": float(resid.reduced_chisq[0]),
+        }
+        history.append(entry)
+        if verbose:
+            _, msg = jft.minisanity(smpls)
+            print(
+                f"  it {entry['iteration']:2d}: KL energy {entry['kl_energy']:.6g}, "
+                f"{entry['kl_newton_steps']} Newton steps (converged: {entry['kl_converged']}), "
+                f"data reduced chi2 {entry['reduced_chi2_data']:.3f}, "
+                f"sample CG metric applications {[c[0] for c in cg.calls[-(samples or cfg.samples) :]]}",
+                flush=True,
+            )
+            if entry["iteration"] == (iters or cfg.iters):
+                print("  NIFTy minisanity of the latent excitations:\n" + msg, flush=True)
+
     samples_out, state = jft.optimize_kl(
         lh,
         xi0,
         n_total_iterations=iters or cfg.iters,
         n_samples=samples or cfg.samples,
         key=key,
-        draw_linear_kwargs=dict(cg_name="SL", cg_kwargs=dict(absdelta=1e-4 * n_params, maxiter=cfg.cg_iters)),
-        nonlinearly_update_kwargs=dict(
-            minimize_kwargs=dict(name="SN", xtol=1e-4, cg_kwargs=dict(name=None), maxiter=3)
+        point_estimates=fixed,
+        constants=fixed,
+        draw_linear_kwargs=dict(
+            cg=cg, cg_name=None, cg_kwargs=dict(absdelta=1e-4 * n_params / 10, maxiter=cfg.cg_iters)
         ),
-        kl_kwargs=dict(minimize_kwargs=dict(name="M", xtol=1e-4, cg_kwargs=dict(name=None), maxiter=cfg.kl_iters)),
-        sample_mode="linear_resample",
+        nonlinearly_update_kwargs=dict(
+            minimize_kwargs=dict(name=None, xtol=1e-4, cg_kwargs=dict(name=None), maxiter=10)
+        ),
+        kl_kwargs=dict(
+            minimize_kwargs=dict(
+                name=None, xtol=1e-4, absdelta=1e-3 * n_params / 10, cg_kwargs=dict(name=None), maxiter=cfg.kl_iters
+            )
+        ),
+        sample_mode=sample_mode,
+        callback=callback,
         odir=None,
     )
     skies, y_pred = _posterior_summary(S.sky, S.A, samples_out.samples)  # skies: (n_samples, n_pix, n_bins)
-    mean, std = jnp.mean(skies, 0), jnp.std(skies, 0, ddof=1)
-    columns = skies.sum(-1)
-    col_mean, col_std = columns.mean(0), columns.std(0, ddof=1)
+    st = posterior_stats(S, skies)
+    z_log = st["log_sky_z"]
+    prior_std = _prior_log_sky_std(S.sky, jax.random.key(seed + 4))
+    post_std = jnp.log(skies).std(0, ddof=1)
+    mean = jnp.mean(skies, 0)
     col_true = S.sky_true.sum(-1)
     prior_sky = jnp.broadcast_to(jnp.exp(S.sky.log_rho), S.sky_true.shape)  # the prior median
     chi2 = float(jnp.mean(((y_pred - S.y) / S.sigma) ** 2))
+    cover = lambda z: float(jnp.mean(jnp.abs(z) < 2))
+    r_mid = np.sqrt(S.edges[:-1] * S.edges[1:])
+    cg_n = np.array([c[0] for c in cg.calls]) if cg.calls else np.zeros(1, int)
     results = {
-        "size": size,
+        "size": size_name,
         "n_pix": cfg.nx * cfg.ny,
         "n_bins": cfg.n_bins,
         "n_los": cfg.n_los,
         "n_latent": int(n_params),
         "chunk_size": int(S.A.chunk_size),
+        "sample_mode": sample_mode,
+        "hyperparameters_fixed_at_truth": bool(fix_hyperparameters),
         "n_samples": len(samples_out),
         "iterations": int(state.nit),
+        "noise_sigma": S.sigma,
+        "chi2_per_line": chi2,
+        "reduced_chi2_data": history[-1]["reduced_chi2_data"],
         "rel_err_sky": rel_err(mean, S.sky_true),
         "rel_err_sky_prior": rel_err(prior_sky, S.sky_true),
-        "rel_err_column": rel_err(col_mean, col_true),
+        "rel_err_column": rel_err(st["column_mean"], col_true),
         "rel_err_column_prior": rel_err(prior_sky.sum(-1), col_true),
-        "column_within_2std": float(jnp.mean(jnp.abs(col_mean - col_true) < 2 * col_std)),
-        "sky_within_2std": float(jnp.mean(jnp.abs(mean - S.sky_true) < 2 * std)),
-        "chi2_per_line": chi2,
+        "column_within_2std": cover(st["column_z"]),
+        "measured_within_2std": cover(st["measured_z"]),
+        "log_sky_within_2std": cover(z_log),
+        "sky_within_2std": cover(z_log),
+        "median_abs_z_column": float(jnp.median(jnp.abs(st["column_z"]))),
+        "median_abs_z_log_sky": float(jnp.median(jnp.abs(z_log))),
+        "mean_z_column": float(jnp.mean(st["column_z"])),
+        "mean_z_log_sky": float(jnp.mean(z_log)),
+        "per_bin": {
+            "r_pc": [float(r) for r in r_mid],
+            "log_sky_within_2std": [float(c) for c in jnp.mean(jnp.abs(z_log) < 2, 0)],
+            "median_abs_z": [float(c) for c in jnp.median(jnp.abs(z_log), 0)],
+            "mean_z": [float(c) for c in jnp.mean(z_log, 0)],
+            "posterior_over_prior_std": [float(c) for c in jnp.mean(post_std / prior_std, 0)],
+        },
+        "sample_cg": {
+            "solves": len(cg.calls),
+            "converged": int(sum(c[1] for c in cg.calls)),
+            "cap": cfg.cg_iters,
+            "metric_applications_median": float(np.median(cg_n)),
+            "metric_applications_max": int(cg_n.max()),
+        },
+        "kl_history": history,
+        "latents": _latent_stats(samples_out, S.xi_true),
         "seconds": time.perf_counter() - t0,
     }
-    for k, v in results.items():
-        print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
+    if verbose:
+        for k, v in results.items():
+            if k in ("kl_history", "latents", "per_bin"):
+                continue
+            print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
+        print("  per distance bin (r pc: 2-sigma coverage of log sky, posterior/prior std):")
+        pb = results["per_bin"]
+        for r, c, q, mz in zip(pb["r_pc"], pb["log_sky_within_2std"], pb["posterior_over_prior_std"], pb["mean_z"]):
+            print(f"    {r:7.0f}: {c:.2f}  {q:.2f}  mean z {mz:+.2f}")
+        print("  hyperparameters (latent): truth z under the posterior, reduced chi2 of the excitations")
+        for k, e in results["latents"].items():
+            print(
+                f"    {k:24s} chi2 {e['reduced_chi2']:.2f}"
+                + (f"  truth_z {e['truth_z']:+.2f}" if "truth_z" in e else "")
+            )
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
         if figures:
-            plot(S, mean, std, col_mean, col_std, os.path.join(out, "posterior.png"))
+            plot(S, skies, st, results, os.path.join(out, "posterior.png"))
         print(f"wrote {os.path.abspath(out)}", flush=True)
     return results
 
 
-def plot(S: Setup, mean, std, col_mean, col_std, path: str) -> None:
-    """Truth, posterior mean and posterior std of the column and of one distance slice."""
+def plot(S: Setup, skies: jax.Array, st: dict, results: dict, path: str) -> None:
+    """Truth, posterior mean, posterior std and z-score of the column and of one distance slice,
+    and the 2-sigma coverage of the log-sky per distance bin.
+
+    Units: distances in pc; the sky in the model's arbitrary density units (its prior median is
+    ``rho(r) = 1 / (1 + (r / 400 pc)^2)``, 1 at r = 0); the column is the sum over the radial
+    bins (bins uniform in ``ln r``: ``(1 / dln r) * integral sky d ln r``), in the same units.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,25 +501,69 @@ def plot(S: Setup, mean, std, col_mean, col_std, path: str) -> None:
     k = cfg.n_bins // 3
     r_k = float(np.sqrt(S.edges[k] * S.edges[k + 1]))
     grid = lambda a: np.asarray(a).reshape(cfg.nx, cfg.ny).T
+    mean, std = skies.mean(0), skies.std(0, ddof=1)
     rows = [
-        ("distance-integrated column", S.sky_true.sum(-1), col_mean, col_std),
-        (f"slice r = {r_k:.0f}", S.sky_true[:, k], mean[:, k], std[:, k]),
+        ("column (sum over bins)", S.sky_true.sum(-1), st["column_mean"], st["column_std"], st["column_z"]),
+        (f"sky at r = {r_k:.0f} pc", S.sky_true[:, k], mean[:, k], std[:, k], st["log_sky_z"][:, k]),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5), constrained_layout=True)
-    for ax_row, (name, truth, m, sd) in zip(axes, rows):
+    fig = plt.figure(figsize=(15, 8.5), constrained_layout=True)
+    gs = fig.add_gridspec(3, 4, height_ratios=[1, 1, 0.9])
+    for i, (name, truth, m, sd, z) in enumerate(rows):
         lo, hi = float(np.min(truth)), float(np.max(truth))
-        for ax, img, title, kw in (
-            (ax_row[0], truth, f"truth: {name}", dict(vmin=lo, vmax=hi)),
-            (ax_row[1], m, "posterior mean", dict(vmin=lo, vmax=hi)),
-            (ax_row[2], sd, "posterior std", dict(cmap="magma")),
+        zc = float(np.mean(np.abs(np.asarray(z)) < 2))
+        for j, (img, title, kw, unit) in enumerate(
+            (
+                (truth, f"truth: {name}", dict(vmin=lo, vmax=hi), "density units"),
+                (m, "posterior mean", dict(vmin=lo, vmax=hi), "density units"),
+                (sd, "posterior std", dict(cmap="magma"), "density units"),
+                (
+                    z,
+                    f"z of {'log sky' if i else 'column'}: (truth - mean) / std\n|z| < 2 for {zc:.0%} of pixels",
+                    dict(cmap="RdBu_r", vmin=-4, vmax=4),
+                    "z",
+                ),
+            )
         ):
+            ax = fig.add_subplot(gs[i, j])
             im = ax.imshow(grid(img), origin="lower", **kw)
-            ax.set_title(title)
-            ax.set_xticks([])
-            ax.set_yticks([])
-            fig.colorbar(im, ax=ax, shrink=0.8)
-    fig.suptitle(f"NIFTy.re MGVI with a chunkop.RowOperator response ({cfg.n_los} lines)")
-    fig.savefig(path, dpi=110)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("pixel x")
+            ax.set_ylabel("pixel y")
+            fig.colorbar(im, ax=ax, shrink=0.85, label=unit)
+    pb = results["per_bin"]
+    ax = fig.add_subplot(gs[2, :2])
+    ax.semilogx(pb["r_pc"], pb["log_sky_within_2std"], "o-", label="log sky: |z| < 2 (fraction of pixels)")
+    ax.semilogx(pb["r_pc"], pb["posterior_over_prior_std"], "s--", label="posterior / prior std of log sky")
+    ax.axhline(0.954, color="gray", lw=0.8, ls=":", label="0.954 (calibrated Gaussian)")
+    ax.set_xlabel("distance r [pc]")
+    ax.set_ylim(0, max(1.3, max(pb["posterior_over_prior_std"]) + 0.1))
+    ax.legend(fontsize=8)
+    ax.set_title("per distance bin", fontsize=10)
+    ax = fig.add_subplot(gs[2, 2:])
+    ax.axis("off")
+    sc = results["sample_cg"]
+    h = results["kl_history"]
+    lines = [
+        f"{results['n_pix']} pixels x {results['n_bins']} bins, {results['n_los']} lines, "
+        f"{results['n_latent']} latent parameters",
+        f"{results['sample_mode']}, {results['iterations']} iterations, {results['n_samples']} samples (mirrored)",
+        f"data: chi2 per line of the mean {results['chi2_per_line']:.2f}, "
+        f"reduced chi2 over samples {results['reduced_chi2_data']:.2f}",
+        "2-sigma coverage (fraction of truth values within):",
+        f"   measured combination sum_k v_k sky_k: {results['measured_within_2std']:.0%}",
+        f"   column: {results['column_within_2std']:.0%}    log sky voxels: {results['log_sky_within_2std']:.0%}",
+        f"   median |z|: column {results['median_abs_z_column']:.2f}, log sky {results['median_abs_z_log_sky']:.2f} "
+        "(0.67 if calibrated)",
+        f"sample CG: {sc['converged']}/{sc['solves']} converged, metric applications "
+        f"median {sc['metric_applications_median']:.0f}, max {sc['metric_applications_max']} (cap {sc['cap']})",
+        "KL energy by iteration: " + ", ".join(f"{e['kl_energy']:.0f}" for e in h[-6:]),
+    ]
+    ax.text(0, 1, "\n".join(lines), va="top", family="monospace", fontsize=8.5, transform=ax.transAxes)
+    fig.suptitle(
+        "NIFTy.re MGVI with a chunkop.RowOperator response: sky in arbitrary density units "
+        "(prior median 1 / (1 + (r / 400 pc)^2)), distances in pc"
+    )
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
@@ -323,9 +575,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--samples", type=int, default=None, help="MGVI samples (x2, mirrored)")
     p.add_argument("--chunk", type=int, default=None, help="lines per chunk")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=0.02, help="noise std as a fraction of the rms signal")
+    p.add_argument("--geovi", action="store_true", help="geoVI (nonlinear sample updates) instead of MGVI")
+    p.add_argument("--fix-hyperparameters", action="store_true", help="diagnostic: spectrum held at its truth")
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
-    run(a.size, a.out, iters=a.iters, samples=a.samples, chunk=a.chunk, seed=a.seed, figures=not a.no_figures)
+    run(
+        a.size,
+        a.out,
+        iters=a.iters,
+        samples=a.samples,
+        chunk=a.chunk,
+        seed=a.seed,
+        noise=a.noise,
+        sample_mode="nonlinear_resample" if a.geovi else "linear_resample",
+        fix_hyperparameters=a.fix_hyperparameters,
+        figures=not a.no_figures,
+    )
 
 
 if __name__ == "__main__":
