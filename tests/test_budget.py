@@ -277,7 +277,7 @@ def test_budget_too_small_is_a_clear_error(mlp_data):
 
 def test_choose_chunk_large_axis_skips_the_whole_compile_and_never_compiles_a_loop_twice():
     """First use: each probe is a compile. At 131072 rows a 16 MiB cap is reached in 3 probes
-    (256, 1024, 4096: within 80% of the budget), not 8 (the whole axis first, then 4096 three times
+    (256, 1024, 4096: within 50% of the cap; 80% of a user's budget), not 8 (the whole axis first, then 4096 three times
     as asked-for chunks 4369, ... that the divisor-aware plan runs as 4096)."""
     calls = []
 
@@ -288,8 +288,71 @@ def test_choose_chunk_large_axis_skips_the_whole_compile_and_never_compiles_a_lo
     plan = _budget.choose_chunk(temp, n=131072, budget=10 * 2**30, cap=16 * 2**20)
     assert 131072 not in calls  # predicted far over the cap: never compiled whole
     assert len(calls) == len(set(calls)) <= 4, calls
+    assert 0.5 * 16 * 2**20 <= plan.compiled_bytes <= 16 * 2**20
+    # a user's budget of 16 MiB (no cap) is filled to within 80%
+    plan = _budget.choose_chunk(temp, n=131072, budget=16 * 2**20)
     assert 0.8 * 16 * 2**20 <= plan.compiled_bytes <= 16 * 2**20
     # and a large axis predicted to fit is compiled whole, and taken
     calls.clear()
     assert _budget.choose_chunk(temp, n=131072, budget=2**30).chunk is None
     assert calls[-1] == 131072
+
+
+def test_probe_compiles_at_backend_opt_level_0_measure_the_same_temp():
+    """Planning probes compile with LLVM at -O0 on CPU (buffer assignment runs before code
+    generation): the temp size must equal the default compile's, for a chunk loop and its VJP."""
+    assert _budget._PROBE_OPTIONS.get("cpu")
+    w = jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)
+    f = chunkop.vmap(lambda x: jnp.tanh(w @ jnp.tanh(w @ x)).sum(), chunk_size=300)
+    x = jax.ShapeDtypeStruct((2000, 64), jnp.float32)
+    for prog in (f, jax.grad(lambda x: f(x).sum())):
+        lowered = jax.jit(prog).lower(x)
+        default = lowered.compile().memory_analysis().temp_size_in_bytes
+        assert default > 0 and _budget._compiled_temp(prog, x) == default
+
+
+# -- the compile-free throughput plan (CPU, default budget) --------------------------------------
+
+
+def _cpu_default_case(monkeypatch):
+    monkeypatch.setattr(_budget, "free_memory", lambda device=None: 16 * 2**30)  # default budget 8 GiB
+    return chunkop.settings().cpu_temp_cap
+
+
+def test_cpu_default_auto_plan_compiles_nothing_and_its_chunk_fits_the_cap(monkeypatch, mlp_data):
+    """On CPU with the default budget the cap binds far below it: the chunk comes from the jaxpr
+    estimate (no compile, issue #16 first use). The compiled temp memory at that chunk, measured
+    here independently, must lie within the cap (the estimate errs high), and not far below it."""
+    cap = _cpu_default_case(monkeypatch)
+    w, _ = mlp_data
+    xs = jnp.zeros((131072, 64), jnp.float32)
+    f = chunkop.vmap(lambda x: mlp(w, x), chunk_size="auto")
+    with jax.ensure_compile_time_eval():
+        plan = chunkop.plan(f, xs)
+    assert plan.compiled_bytes is None and plan.probes == () and plan.chunk is not None
+    measured = _budget.program_temp_bytes(chunkop.vmap(lambda x: mlp(w, x), chunk_size=plan.chunk), [xs], "grad")
+    assert cap / 16 <= measured <= cap, (plan, measured)
+    # the users' LOS operator: every kernel and VJP measured at the chosen chunk
+    rows = make_los_rows(131072, 3072)
+    x_struct = jax.ShapeDtypeStruct((3072, 96), jnp.float32)
+    edges = jnp.geomspace(40.0, 1700.0, 97)
+
+    def row_fn(r, x):
+        b = edges[1:]
+        w = jnp.exp(-(r["d"] - b) / (r["d"] * r["s"] * b))
+        return jnp.dot(w, x[r["idx"]])
+
+    A = chunkop.RowOperator(row_fn, rows, x_struct)
+    assert A.budget_plan.compiled_bytes is None and A.budget_plan.probes == ()
+    measured = _budget.rows_temp_bytes(row_fn, rows, x_struct, A.chunk_size)
+    assert cap / 16 <= measured <= cap, (A.budget_plan, measured)
+
+
+def test_cpu_default_auto_plan_measures_when_it_cannot_estimate(monkeypatch):
+    """A ``while`` loop (unknown trip count) has no estimate: the plan is compiled and measured."""
+    _cpu_default_case(monkeypatch)
+    f = chunkop.vmap(
+        lambda x: jax.lax.fori_loop(0, x.astype(jnp.int32).sum() % 3, lambda i, v: v * 2, x), chunk_size="auto"
+    )
+    plan = chunkop.plan(f, jnp.ones((20000, 8)))
+    assert plan.probes and (plan.chunk is None or plan.compiled_bytes is not None)

@@ -9,7 +9,8 @@ The planner never guesses memory from shapes: it asks XLA. Given a callable
 2. compiles at two chunk sizes and fits an affine model ``a + b * chunk`` (above a small floor,
    a chunked program's temp memory is one chunk's intermediates plus chunk-independent buffers);
 3. compiles the largest chunk the model allows (preferring chunks that leave no or a small
-   remainder) and, until one lands within 80-100% of the budget, brackets between the largest
+   remainder) and, until one lands within 80-100% of the budget (50-100% of the CPU throughput
+   cap, a speed heuristic where precision buys nothing), brackets between the largest
    chunk that fitted and the smallest that did not, interpolating linearly; the largest
    compiled chunk within the budget wins. No loop is compiled twice.
 
@@ -40,9 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from . import _estimate
 from ._axes import replace_at
 from ._cache import register_cache
-from ._chunking import make_plan
+from ._chunking import divisors, make_plan
 from ._settings import settings
 
 __all__ = [
@@ -80,7 +82,10 @@ class BudgetPlan(NamedTuple):
         mode: the transforms planned for (``"forward"``, ``"grad"`` or ``"hvp"``).
         predicted_bytes: the temp memory the affine model predicted at ``chunk`` (None when no
             model was needed, i.e. the unchunked program fits).
-        compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``.
+        compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``;
+            None when the plan was made without compiling (on CPU under the throughput cap,
+            far below the budget: see :mod:`chunkop._estimate`; ``predicted_bytes`` is then the
+            estimate).
         probes: every ``(chunk, temp_bytes)`` compiled while planning, in order.
         cap: the throughput cap the search aimed at, if any (``chunkop.settings().cpu_temp_cap`` on CPU).
         shards: the number of devices the axis is sharded over (1: not sharded); each device
@@ -89,10 +94,15 @@ class BudgetPlan(NamedTuple):
 
     Example:
         >>> import jax.numpy as jnp, chunkop
-        >>> f = chunkop.sum(lambda x: jnp.sin(x) ** 2, chunk_size="auto", memory_budget=2**30)
+        >>> f = chunkop.sum(lambda x: jnp.sin(x) ** 2, chunk_size="auto", memory_budget=2**20)
         >>> plan = chunkop.plan(f, jnp.zeros(1000))
         >>> plan.chunk, plan.size, plan.compiled_bytes <= plan.budget
         (None, 1000, True)
+        >>> # on CPU with a budget far above the throughput cap: planned without compiling
+        >>> big = chunkop.plan(chunkop.sum(lambda x: jnp.sin(x) ** 2, chunk_size="auto",
+        ...                                memory_budget=2**33), jnp.zeros(10**7))
+        >>> big.chunk is not None and big.compiled_bytes is None and big.probes == ()
+        True
     """
 
     chunk: int | None
@@ -100,7 +110,7 @@ class BudgetPlan(NamedTuple):
     budget: int
     mode: str
     predicted_bytes: int | None
-    compiled_bytes: int
+    compiled_bytes: int | None
     probes: tuple
     cap: int | None = None
     shards: int = 1
@@ -221,7 +231,13 @@ def default_budget(device: Any = None) -> int:
 
 
 def choose_chunk(
-    temp_bytes: Callable[[int], int], n: int, budget: int, *, mode: str = "grad", cap: int | None = None
+    temp_bytes: Callable[[int], int],
+    n: int,
+    budget: int,
+    *,
+    mode: str = "grad",
+    cap: int | None = None,
+    element_bytes: int | None = None,
 ) -> BudgetPlan:
     """The largest chunk of an axis of ``n`` whose compiled temp memory is within ``budget``.
 
@@ -236,6 +252,11 @@ def choose_chunk(
         mode: recorded in the plan (what ``temp_bytes`` measures).
         cap: a throughput cap (bytes, or None): the search aims at ``min(budget, cap)``; when
             no chunk fits the cap, the least-memory chunk found within ``budget`` is taken.
+        element_bytes: a compile-free estimate of one element's bytes
+            (:func:`chunkop._estimate.element_bytes`), or None. When given and the cap is at
+            least ``_estimate.MARGIN`` times below ``budget`` (CPU with the default budget), the
+            chunk is ``cap // element_bytes`` (no chunking when that reaches half the axis) and
+            nothing is compiled: the plan's ``compiled_bytes`` is None.
 
     Returns:
         A :class:`BudgetPlan`; ``plan.chunk`` is None when the whole axis fits.
@@ -270,12 +291,24 @@ def choose_chunk(
         return BudgetPlan(c, n, int(user_budget), mode, predicted, compiled, tuple(probes), cap)
 
     user_budget, budget = budget, budget if cap is None else min(budget, cap)
+    if element_bytes is not None and cap is not None and cap * _estimate.MARGIN <= user_budget:
+        target = budget // max(1, element_bytes)
+        if target >= max(1, n // 2):  # (a chunk over half the axis saves nothing)
+            return plan(None, element_bytes * n, None)
+        # a divisor of n when one is within 2x: no remainder chunk, whose body is a second compile
+        even = [d for d in divisors(n) if target // 2 <= d <= target]
+        c = effective(max(even) if even else _candidate(n, max(1, target), 0))
+        return plan(c, element_bytes * c, None)
+    # Within 80% of a user's budget is close enough; the throughput cap is a speed heuristic
+    # (chunks a few times apart run at about the same speed), so half of it is: on first use
+    # each further probe is a compile of the program and its VJP.
+    close_enough = 0.5 if budget < user_budget else 0.8
 
     # Two probes well inside the axis, then a bracketing search: linear interpolation between the
     # largest chunk within the budget and the smallest over it (extrapolation while one is missing).
     # A small axis is compiled whole first (it may fit); a large one (over 16 probes of 256) only
     # when the probes' line predicts it might fit, since each compile is a planning cost.
-    c1 = max(1, min(n // 16, 256))
+    c1 = max(1, min(n // 16, 1024))
     c2 = max(c1 + 1, min(n // 2, 4 * c1))
     if n > 16 * 256:
         b1, b2 = measure(c1), measure(c2)
@@ -292,6 +325,8 @@ def choose_chunk(
     measure(c2)
     predictions: dict[int, int] = {}  # the model's prediction at each candidate, before compiling it
     for _ in range(_MAX_VERIFY):
+        if any(close_enough * budget <= b <= budget for c, b in measured.items() if c < n):
+            break  # a probe already landed close enough
         inside = sorted((c, b) for c, b in measured.items() if b <= budget and c < n)
         over = sorted((c, b) for c, b in measured.items() if b > budget and (not inside or c > inside[-1][0]))
         if inside and over:
@@ -315,7 +350,7 @@ def choose_chunk(
             break
         predictions[effective(c)] = round(ba + slope * (effective(c) - ca))
         b = measure(c)
-        if b <= budget and b >= 0.8 * budget:  # close enough: another compile costs more than it gains
+        if b <= budget and b >= close_enough * budget:  # another compile costs more than it gains
             break
 
     inside = sorted((c, b) for c, b in measured.items() if b <= budget and c < n)
@@ -376,8 +411,17 @@ def _struct(x: Any) -> Any:
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
 
 
+# What a probe compile needs is XLA's buffer assignment, which runs before code generation: on
+# CPU, the LLVM backend at optimisation level 0 gives the same temp size (checked in
+# tests/test_budget.py) in about 60% of the compile time.
+_PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
+
+
 def _compiled_temp(fn: Callable, *structs: Any) -> int:
-    return int(jax.jit(fn).lower(*structs).compile().memory_analysis().temp_size_in_bytes)
+    lowered = jax.jit(fn).lower(*structs)
+    options = _PROBE_OPTIONS.get(jax.default_backend())
+    compiled = lowered.compile(options) if options else lowered.compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
 def _is_float(s: Any) -> bool:
@@ -392,7 +436,8 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
 
     - ``"forward"``: ``fn`` itself;
     - ``"grad"``: also ``jax.vjp`` of ``fn`` (forward, residuals and backward pass), which is
-      what ``jax.grad`` of a loss built on ``fn`` compiles;
+      what ``jax.grad`` of a loss built on ``fn`` compiles (a program that also returned the
+      forward outputs would count them as temp: they are copied out of the loop there);
     - ``"hvp"``: also the forward-over-reverse Hessian-vector product of ``<fn(x), 1>``.
 
     Args:
@@ -412,15 +457,11 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
     """
     check_mode(mode)
     structs = [_struct(x) for x in leaves]
-    worst = _compiled_temp(fn, *structs)
-    if mode == "forward":
-        return worst
     diff = [i for i, s in enumerate(structs) if _is_float(s)]
-    if not diff:
-        return worst
-
     out = jax.eval_shape(fn, *structs)
-    if not any(_is_float(o) for o in jax.tree_util.tree_leaves(out)):
+    out_leaves = jax.tree_util.tree_leaves(out)
+    worst = _compiled_temp(fn, *structs)
+    if mode == "forward" or not diff or not any(_is_float(o) for o in out_leaves):
         return worst
 
     def loss(dargs: list, rest: list) -> jax.Array:
@@ -440,16 +481,22 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
     cts = jax.tree_util.tree_map(
         lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype if _is_float(o) else jax.dtypes.float0), out
     )
-    if all(_is_float(o) for o in jax.tree_util.tree_leaves(out)):
-        worst = max(worst, _compiled_temp(vjp_program, dstructs, rest, cts))
-    else:
-        worst = max(worst, _compiled_temp(lambda d, r: jax.grad(loss)(d, r), dstructs, rest))
-    if mode == "hvp":
+    try:
+        if all(_is_float(o) for o in out_leaves):
+            worst = max(worst, _compiled_temp(vjp_program, dstructs, rest, cts))
+        else:
+            worst = max(worst, _compiled_temp(lambda d, r: jax.grad(loss)(d, r), dstructs, rest))
+        if mode == "hvp":
 
-        def hvp(d: list, r: list, t: list) -> Any:
-            return jax.jvp(lambda dd: jax.grad(loss)(dd, r), (d,), (t,))[1]
+            def hvp(d: list, r: list, t: list) -> Any:
+                return jax.jvp(lambda dd: jax.grad(loss)(dd, r), (d,), (t,))[1]
 
-        worst = max(worst, _compiled_temp(hvp, dstructs, rest, dstructs))
+            worst = max(worst, _compiled_temp(hvp, dstructs, rest, dstructs))
+    except (ValueError, TypeError, NotImplementedError) as err:
+        # a program JAX cannot differentiate (a while loop with a traced trip count, ...) can only
+        # be run forward: its forward program is what there is to plan for
+        if "differentiat" not in str(err) and "transpose" not in str(err).lower():
+            raise
     return worst
 
 
@@ -574,14 +621,15 @@ def plan_traced(wrapper: Any, traced: Any, spec: Any, mapped: list, n: int) -> B
         return program_temp_bytes(lambda *flat: loop(list(flat[:k]), list(flat[k:])), leaves, mode)
 
     def compute() -> BudgetPlan:
-        return choose_chunk(temp_bytes, n, budget, mode=mode, cap=throughput_cap())
+        estimate = _estimate.element_bytes(traced.jaxpr)
+        return choose_chunk(temp_bytes, n, budget, mode=mode, cap=throughput_cap(), element_bytes=estimate)
 
     if traced.key is None:
         return compute()
-    from ._cache import Uncacheable, callable_key
+    from ._cache import Uncacheable, setting_key
 
     try:
-        remat = spec.remat if isinstance(spec.remat, bool) else callable_key(spec.remat)
+        remat = setting_key(spec.remat)
     except Uncacheable:
         return compute()
     avals = tuple((tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) for x in leaves)
@@ -656,12 +704,14 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
     local_rows = jax.tree_util.tree_unflatten(row_tree, row_structs)
     cap = throughput_cap()
 
-    def compute() -> BudgetPlan:
-        temp = lambda chunk: rows_temp_bytes(row_fn, local_rows, in_structure, chunk)
-        return choose_chunk(temp, n, budget, mode="grad", cap=cap)._replace(shards=shards)
-
     # the same row_fn (by its traced jaxpr), row and x shapes, budget and device kind: the same plan
     spec, _ = _rows.make_spec(row_fn, local_rows, in_structure, 1)
+
+    def compute() -> BudgetPlan:
+        temp = lambda chunk: rows_temp_bytes(row_fn, local_rows, in_structure, chunk)
+        estimate = _estimate.element_bytes(spec.jaxpr, n_inputs=len(row_leaves))
+        return choose_chunk(temp, n, budget, mode="grad", cap=cap, element_bytes=estimate)._replace(shards=shards)
+
     if spec.key is None:
         return compute()
     shapes = tuple((s.shape, str(s.dtype)) for s in row_structs)

@@ -181,6 +181,13 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
         if not _is_module_level(fn):
             # A function made per call (a lambda, a closure) can only be keyed by identity: a
             # cached loop would keep it and what it closes over alive and compile per call anyway.
+            for value in _cells(fn):  # but one closing over a tracer must say so (see ClosesOverTracer)
+                try:
+                    value_key(value, depth + 1)
+                except ClosesOverTracer:
+                    raise
+                except Uncacheable:
+                    pass
             raise Uncacheable(f"{fn.__qualname__} is defined inside a function: keyed only by identity")
         return ("user", _Ident(fn), tuple(value_key(v, depth + 1) for v in _cells(fn)))
     if (type(fn).__module__ or "").startswith(("jax._src", "jax.")):
@@ -195,6 +202,21 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
         except TypeError:
             pass
     raise Uncacheable(f"callable object of type {type(fn).__name__} can only be keyed by identity")
+
+
+def setting_key(value: Any) -> Hashable:
+    """A key for a wrapper's setting (``progress``, ``remat``): True/False/None by value, a
+    callable by identity (held weakly).
+
+    Unlike a callable found in a jaxpr, a setting is the wrapper's own: the loop calls the same
+    object the key names (a progress callback at run time, a checkpoint policy while tracing),
+    so identity is exact; a wrapper built once and called many times reuses its loop.
+    """
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, types.MethodType):
+        return ("method", _Ident(value.__func__), _Ident(value.__self__))
+    return ("setting", _Ident(value))
 
 
 def _field_key(value: Any, depth: int) -> Hashable:

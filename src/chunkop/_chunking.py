@@ -32,6 +32,7 @@ from ._progress import Progress, progress_hook
 __all__ = [
     "ChunkPlan",
     "make_plan",
+    "divisors",
     "fusion_barrier",
     "rematerialise",
     "stack_chunks",
@@ -82,7 +83,7 @@ def narrow(tree: Any, like: Any) -> Any:
     )
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     """The divisors of ``n`` (``n >= 1``), in no particular order."""
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return small + [n // d for d in small]
@@ -106,7 +107,7 @@ def make_plan(size: int, chunk: int) -> ChunkPlan:
     """
     chunk = max(1, min(chunk, size))
     if size % chunk:
-        chunk = max([d for d in _divisors(size) if 4 * d >= 3 * chunk and d <= chunk], default=chunk)
+        chunk = max([d for d in divisors(size) if 4 * d >= 3 * chunk and d <= chunk], default=chunk)
     n_full, rem = divmod(size, chunk)
     return ChunkPlan(size, chunk, n_full, rem)
 

@@ -274,9 +274,11 @@ class RowOperator(AbstractRowOperator):
             in_structure: pytree of ``jax.ShapeDtypeStruct`` (or arrays) describing ``x``.
             chunk_size: number of rows computed at once (a positive int), or ``"auto"`` (the
                 default): the largest chunk whose compiled temp memory (``mv``, ``T.mv`` and
-                their VJPs) fits ``memory_budget`` (see :func:`chunkop.plan`). Planning
-                compiles these programs at a few chunk sizes when the operator is built (0.5-6 s
-                on a 2-core CPU, once per traced ``row_fn`` and shapes: the plan is cached);
+                their VJPs) fits ``memory_budget`` (see :func:`chunkop.plan`). On CPU with the
+                default budget the 16 MiB throughput cap binds and the chunk comes from a
+                compile-free estimate (building costs nothing); otherwise planning compiles
+                these programs at a few chunk sizes when the operator is built (once per traced
+                ``row_fn`` and shapes: the plan is cached);
                 pass an int to skip it.
             tags: lineax tags (e.g. ``lineax.symmetric_tag``); unchecked, as in lineax.
             progress: as in :func:`chunkop.vmap`: every kernel (``mv``, ``T.mv``, their

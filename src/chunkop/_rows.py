@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from ._cache import Uncacheable, callable_key, jaxpr_key
+from ._cache import Uncacheable, jaxpr_key, setting_key
 from ._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
 from ._progress import Progress
 
@@ -124,7 +124,7 @@ def make_spec(
         )
     out_tree = _tu.tree_structure(out_shape)
     try:
-        progress_key = progress if progress is None or isinstance(progress, bool) else callable_key(progress)
+        progress_key = setting_key(progress)
         key = (jaxpr_key(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, progress_key)
     except Uncacheable:
         key = None

@@ -20,7 +20,7 @@ from ._axes import (
     flat_out_axes,
     mapped_size,
 )
-from ._cache import Uncacheable, cached, callable_key
+from ._cache import Uncacheable, cached, setting_key
 from ._chunking import ChunkPlan, Remat, make_plan, narrow, stack_chunks, widen
 from ._progress import Progress, check_progress
 from ._trace import eval_traced, trace_example
@@ -44,8 +44,8 @@ def _wrap(fun: Callable, wrapper: Any) -> Any:
 
 
 def _setting_key(value: Any) -> Hashable:
-    """A cache key for ``remat``/``progress``: by value for True/False/None, else the callable's key."""
-    return value if value is None or isinstance(value, bool) else callable_key(value)
+    """A cache key for ``remat``/``progress``: see :func:`chunkop._cache.setting_key`."""
+    return setting_key(value)
 
 
 class LoopSpec(NamedTuple):

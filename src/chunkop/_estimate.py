@@ -1,0 +1,68 @@
+"""A compile-free estimate of what one mapped element costs in a chunk: the CPU throughput plan.
+
+On CPU, ``chunk_size="auto"`` with the default budget (half the free memory, gigabytes) is
+bound by ``chunkop.settings().cpu_temp_cap`` (16 MiB), a *speed* heuristic: chunks whose
+working set stays near the caches run fastest. Measuring the program's temp memory at probe
+chunks costs a compile of the chunked program and its VJP per probe, about as long as the
+user's own first compile, for a figure whose precision buys nothing there. So when the cap is far
+below the memory budget (:data:`MARGIN` times), the chunk is chosen from this estimate instead:
+the bytes of every value ``fun`` computes for one element (its inputs, every intermediate in its
+jaxpr and sub-jaxprs, a ``scan`` body counted once per iteration), with no compile at all.
+
+The estimate errs high for fused elementwise chains (XLA keeps few of them alive at once) and is
+compared with compiled temp memory in ``tests/test_budget.py``. A jaxpr with a ``while`` loop
+(unknown trip count) has no estimate: the plan is then measured as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax.extend import core as jex_core
+
+__all__ = ["MARGIN", "element_bytes"]
+
+#: The estimate is used only when the memory budget is at least this many times the CPU cap:
+#: an estimate off by less than this factor still fits the budget.
+MARGIN = 64
+
+
+def _bytes(aval: Any) -> int:
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize if np.dtype(dtype) != object else 0
+
+
+def _jaxpr_bytes(jaxpr: Any) -> int | None:
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += sum(_bytes(v.aval) for v in eqn.outvars)
+        if eqn.primitive.name == "while":
+            return None  # the trip count is not known: no estimate
+        repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            inner = _jaxpr_bytes(sub)
+            if inner is None:
+                return None
+            total += repeat * inner
+    return total
+
+
+def element_bytes(jaxpr: Any, n_inputs: int | None = None) -> int | None:
+    """The estimated bytes one element of a chunk costs: ``jaxpr``'s first ``n_inputs`` inputs
+    (default: all ``invars``; one element's mapped inputs) and every value it computes, or None
+    when it cannot be estimated.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from chunkop._estimate import element_bytes
+        >>> element_bytes(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.zeros(10)).jaxpr)
+        120
+    """
+    inner = _jaxpr_bytes(jaxpr)
+    if inner is None:
+        return None
+    return inner + sum(_bytes(v.aval) for v in jaxpr.invars[:n_inputs])
