@@ -318,3 +318,14 @@ def test_reduce_errors_name_the_transform():
         chunkop.mean(lambda a: a, in_axes=None, chunk_size=2)(X)
     with pytest.raises(TypeError, match=r"chunkop\.map: argument xs\['s'\] is mapped"):
         chunkop.map(lambda t: t["x"], {"x": X, "s": "str"}, chunk_size=2)
+
+
+def test_non_array_output_error_names_the_users_function():
+    """JAX's own message for a non-array output names the traced function: the user's, with its
+    file and line, not chunkop's internal wrapper."""
+
+    def returns_a_string(x):
+        return "hello"
+
+    with pytest.raises(TypeError, match=r"function returns_a_string at .*test_vmap_errors\.py:\d+"):
+        chunkop.vmap(returns_a_string, chunk_size=2)(jnp.arange(5.0))

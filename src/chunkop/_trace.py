@@ -19,6 +19,7 @@ also when they appear only in a ``custom_jvp``/``custom_vjp`` rule.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
@@ -298,6 +299,12 @@ def trace_example(
     def one(*examples: Any) -> Any:
         args, kwargs = jax.tree_util.tree_unflatten(treedef, replace_at(leaves, mapped, examples))
         return fun(*args, **kwargs)
+
+    # JAX's messages (a non-array output, a tracer leaked ...) name the traced function: the user's
+    one.__name__ = one.__qualname__ = getattr(fun, "__qualname__", getattr(fun, "__name__", type(fun).__name__))
+    code = getattr(inspect.unwrap(fun), "__code__", None) if callable(fun) else None
+    if code is not None:
+        one.__code__ = one.__code__.replace(co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
 
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
     n_env = n if axis_env_size is None else axis_env_size
