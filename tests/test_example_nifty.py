@@ -9,6 +9,7 @@ NIFTy.re (the ``nifty`` extra) is not installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -96,6 +97,17 @@ def test_truth_is_a_draw_from_the_models_prior(setup):
     np.testing.assert_allclose(setup.sky_true, jax.jit(setup.sky)(setup.xi_true), rtol=1e-6)
     xi = setup.xi_true.tree["sky xi"]
     assert abs(float(xi.mean())) < 0.2 and 0.8 < float(xi.std()) < 1.2
+
+
+def test_padded_field_is_cropped_to_the_sky():
+    """``r_pad``/``xy_pad``: the correlated field lives on a padded (non-wrapping) grid, the sky
+    and the truth drawn from that model's prior have the unpadded shape."""
+    cfg = dataclasses.replace(nifty_vi.SIZES["tiny"], r_pad=2, xy_pad=2)
+    S = nifty_vi.make_setup(cfg, seed=3)
+    assert S.xi_true.tree["sky xi"].shape == (2 * cfg.nx, 2 * cfg.ny, 2 * cfg.n_bins)
+    assert S.sky_true.shape == (cfg.nx * cfg.ny, cfg.n_bins)
+    np.testing.assert_allclose(S.sky_true, jax.jit(S.sky)(S.xi_true), rtol=1e-6)
+    assert S.y.shape == (cfg.n_los,) and bool(jnp.all(jnp.isfinite(S.y)))
 
 
 def test_mgvi_run_tiny(tmp_path):

@@ -1,7 +1,8 @@
 """Variational inference of a 3-D sky with NIFTy.re, the response a chunked ``chunkop.RowOperator``.
 
     python examples/astro_los/nifty_vi.py [--size tiny|small] [--out DIR] [--iters N] [--samples N]
-                                          [--chunk C] [--no-figures]
+                                          [--chunk C] [--r-pad P] [--xy-pad P] [--kl-iters N]
+                                          [--no-figures]
 
 The model (``pip install -e ".[nifty]"``, NIFTy.re is ``import nifty.re as jft``):
 
@@ -28,7 +29,10 @@ coverage of the log-sky (per voxel and per distance bin), of the column (sum ove
 of the combination the lines measure, and the truth's z-score for each hyperparameter. It
 writes ``posterior.png`` and ``results.json`` into ``--out`` (default
 ``outputs/astro_los_nifty/``). ``--geovi`` switches to geoVI; ``--fix-hyperparameters`` is a
-diagnostic run with the spectrum held at its truth.
+diagnostic run with the spectrum held at its truth. ``--r-pad P`` / ``--xy-pad P`` build the
+(periodic) correlated field on ``P`` times the radial / plane-of-sky extent and crop it, so the
+nearest and the farthest bin are no longer neighbours; the truth is then drawn from that padded
+model's prior (``docs/nifty.md``, "Calibration: what we tried", has the measured effect).
 
 Units: distances in pc; the sky in the model's arbitrary density units (prior median
 ``rho(r)``, 1 at r = 0); the column is the sum over the radial bins (uniform in ``ln r``) in the
@@ -77,12 +81,20 @@ class Size:
     samples: int  # MGVI samples per iteration (mirrored: twice as many are used)
     cg_iters: int  # cap on the CG iterations that draw a sample (they stop earlier when converged)
     kl_iters: int  # cap on the Newton-CG steps of each KL minimisation
+    r_pad: int = 1  # the correlated field lives on r_pad * n_bins radial bins (cropped): no wrap-around
+    xy_pad: int = 1  # the same for both plane-of-sky axes
 
 
 SIZES = {
     "tiny": Size(nx=8, ny=6, n_bins=12, n_los=1500, chunk=500, iters=6, samples=4, cg_iters=300, kl_iters=10),
     "small": Size(nx=32, ny=24, n_bins=24, n_los=24_000, chunk=4096, iters=12, samples=4, cg_iters=300, kl_iters=10),
 }
+
+
+def _size(size: str | Size) -> Size:
+    if isinstance(size, str) and size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    return SIZES[size] if isinstance(size, str) else size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +119,16 @@ def radial_profile(edges: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + (r / 400.0) ** 2)
 
 
-def correlated_field(nx: int, ny: int, edges: np.ndarray, prior: Prior = Prior()) -> jft.Model:
+def correlated_field(
+    nx: int, ny: int, edges: np.ndarray, prior: Prior = Prior(), *, r_pad: int = 1, xy_pad: int = 1
+) -> jft.Model:
     """The log-density prior: a correlated field on ``(nx, ny, n_bins)`` (pixels of unit size,
-    radial bins uniform in ``ln r``) with a product of a plane-of-sky and a radial power spectrum."""
+    radial bins uniform in ``ln r``) with a product of a plane-of-sky and a radial power spectrum.
+
+    The field is periodic (FFT-based): built on ``(xy_pad * nx, xy_pad * ny, r_pad * n_bins)``
+    and cropped by ``Sky`` to the first ``(nx, ny, n_bins)``, the nearest and the farthest bin
+    (and opposite plane-of-sky edges) are no longer neighbours."""
+    nx, ny = xy_pad * nx, xy_pad * ny
     cfm = jft.CorrelatedFieldMaker("sky ")
     cfm.set_amplitude_total_offset(offset_mean=0.0, offset_std=prior.offset_std)
     cfm.add_fluctuations(
@@ -124,7 +143,7 @@ def correlated_field(nx: int, ny: int, edges: np.ndarray, prior: Prior = Prior()
     )
     dlnr = float(np.log(edges[1] / edges[0]))
     cfm.add_fluctuations(
-        edges.size - 1,
+        r_pad * (edges.size - 1),
         distances=dlnr,
         fluctuations=prior.r_fluctuations,
         loglogavgslope=prior.r_slope,
@@ -137,19 +156,23 @@ def correlated_field(nx: int, ny: int, edges: np.ndarray, prior: Prior = Prior()
 
 
 class Sky(jft.Model):
-    """``sky = rho(r) * exp(field)``, shape ``(n_pix, n_bins)``."""
+    """``sky = rho(r) * exp(field)``, shape ``(n_pix, n_bins)``; the field (possibly padded) is
+    cropped to its first ``shape = (nx, ny, n_bins)``."""
 
     field: jft.Model = dataclasses.field(metadata=dict(static=False))
     log_rho: jax.Array = dataclasses.field(metadata=dict(static=False))
+    shape: tuple[int, int, int]
 
-    def __init__(self, field: jft.Model, log_rho: jax.Array):
+    def __init__(self, field: jft.Model, log_rho: jax.Array, shape: tuple[int, int, int]):
         self.field = field
         self.log_rho = log_rho
+        self.shape = tuple(int(n) for n in shape)
         super().__init__(init=field.init)
 
     def __call__(self, xi: Any) -> jax.Array:
-        s = self.field(xi)  # (nx, ny, n_bins)
-        return jnp.exp(self.log_rho + s).reshape(-1, s.shape[-1])
+        nx, ny, nb = self.shape
+        s = self.field(xi)[:nx, :ny, :nb]
+        return jnp.exp(self.log_rho + s).reshape(-1, nb)
 
 
 class Response(jft.Model):
@@ -221,13 +244,11 @@ def make_setup(
 ) -> Setup:
     """A synthetic problem: a draw from the model's own prior (hyperparameters included) as the
     truth, the users' random lines, noisy data."""
-    if isinstance(size, str) and size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    cfg = SIZES[size] if isinstance(size, str) else size
+    cfg = _size(size)
     prior = PRIORS[prior] if isinstance(prior, str) else prior
     edges = los.bin_edges(cfg.n_bins)
-    field = correlated_field(cfg.nx, cfg.ny, edges, prior)
-    sky = Sky(field, jnp.asarray(np.log(radial_profile(edges)), jnp.float32))
+    field = correlated_field(cfg.nx, cfg.ny, edges, prior, r_pad=cfg.r_pad, xy_pad=cfg.xy_pad)
+    sky = Sky(field, jnp.asarray(np.log(radial_profile(edges)), jnp.float32), (cfg.nx, cfg.ny, cfg.n_bins))
     rng = np.random.default_rng(seed)
     pix, d, s = los.draw_lines(cfg.n_los, cfg.nx * cfg.ny, rng)
     A = los.make_los_operator(pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk or cfg.chunk)
@@ -327,6 +348,9 @@ def run(
     prior: str | Prior = "default",
     sample_mode: str = "linear_resample",
     fix_hyperparameters: bool = False,
+    r_pad: int | None = None,
+    xy_pad: int | None = None,
+    kl_iters: int | None = None,
     figures: bool = True,
     verbose: bool = True,
 ) -> dict:
@@ -334,14 +358,16 @@ def run(
     returns the results (also written to ``out``). ``fix_hyperparameters``: a diagnostic run
     with the spectrum's hyperparameters held at their true values (not inferred)."""
     t0 = time.perf_counter()
-    S = make_setup(size, seed=seed, noise=noise, chunk=chunk, prior=prior)
-    cfg = S.size
+    overrides = dict(r_pad=r_pad, xy_pad=xy_pad, kl_iters=kl_iters)
+    cfg = dataclasses.replace(_size(size), **{k: v for k, v in overrides.items() if v is not None})
+    S = make_setup(cfg, seed=seed, noise=noise, chunk=chunk, prior=prior)
     lh = S.likelihood("chunkop")
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(S.xi_true))
     size_name = size if isinstance(size, str) else "custom"
     print(
         f"{size_name}: sky {cfg.nx}x{cfg.ny} pixels x {cfg.n_bins} bins, {cfg.n_los} lines "
-        f"(chunk {S.A.chunk_size}), {n_params} latent parameters",
+        f"(chunk {S.A.chunk_size}), {n_params} latent parameters, field padded x{cfg.xy_pad} "
+        f"(plane of sky) x{cfg.r_pad} (radial)",
         flush=True,
     )
 
@@ -421,6 +447,10 @@ def run(
         "n_bins": cfg.n_bins,
         "n_los": cfg.n_los,
         "n_latent": int(n_params),
+        "r_pad": cfg.r_pad,
+        "xy_pad": cfg.xy_pad,
+        "kl_iters_cap": cfg.kl_iters,
+        "seed": seed,
         "chunk_size": int(S.A.chunk_size),
         "sample_mode": sample_mode,
         "hyperparameters_fixed_at_truth": bool(fix_hyperparameters),
@@ -578,6 +608,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--noise", type=float, default=0.02, help="noise std as a fraction of the rms signal")
     p.add_argument("--geovi", action="store_true", help="geoVI (nonlinear sample updates) instead of MGVI")
     p.add_argument("--fix-hyperparameters", action="store_true", help="diagnostic: spectrum held at its truth")
+    p.add_argument("--r-pad", type=int, default=None, help="radial padding factor of the field (no wrap-around)")
+    p.add_argument("--xy-pad", type=int, default=None, help="plane-of-sky padding factor of the field")
+    p.add_argument("--kl-iters", type=int, default=None, help="cap on the Newton-CG steps per KL minimisation")
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
     run(
@@ -590,6 +623,9 @@ def main(argv: list[str] | None = None) -> None:
         noise=a.noise,
         sample_mode="nonlinear_resample" if a.geovi else "linear_resample",
         fix_hyperparameters=a.fix_hyperparameters,
+        r_pad=a.r_pad,
+        xy_pad=a.xy_pad,
+        kl_iters=a.kl_iters,
         figures=not a.no_figures,
     )
 
