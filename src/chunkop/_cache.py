@@ -44,8 +44,8 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import linear_util as _lu  # WrappedFun: how JAX holds custom rules in a jaxpr
-from jax.extend import core as jex_core
 
+from . import _jaxpr as jex_core
 from ._settings import settings
 
 __all__ = [

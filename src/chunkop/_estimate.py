@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from jax.extend import core as jex_core
+
+from . import _jaxpr as jex_core
 
 __all__ = ["MARGIN", "element_bytes"]
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
+from . import _jaxpr
 from ._cache import Uncacheable, jaxpr_key, setting_key
 from ._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
 from ._progress import Progress
@@ -138,12 +139,12 @@ def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:
     followed input by input; any other sub-jaxpr is assumed to depend on all its inputs."""
     depends = set(depends)
     for eqn in jaxpr.eqns:
-        hit = [not isinstance(v, jax.extend.core.Literal) and v in depends for v in eqn.invars]
+        hit = [not isinstance(v, _jaxpr.Literal) and v in depends for v in eqn.invars]
         if not any(hit):
             continue
         if eqn.primitive.name == "stop_gradient":
             return True
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in _jaxpr.jaxprs_in_params(eqn.params):
             inner = set(sub.invars) if len(sub.invars) != len(hit) else {v for v, h in zip(sub.invars, hit) if h}
             if _stops_gradient_of_x(sub, inner):
                 return True

@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from . import _jaxpr
 from ._axes import replace_at
 from ._cache import ClosesOverTracer, Uncacheable, jaxpr_key
 
@@ -214,7 +215,7 @@ def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int
 
 def _jit_with_consts(eqn: Any) -> bool:
     sub = eqn.params.get("jaxpr")
-    return eqn.primitive.name in ("jit", "pjit") and isinstance(sub, jax.extend.core.ClosedJaxpr) and bool(sub.consts)
+    return eqn.primitive.name in ("jit", "pjit") and isinstance(sub, _jaxpr.ClosedJaxpr) and bool(sub.consts)
 
 
 def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
@@ -224,7 +225,7 @@ def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
     env: dict = {}
 
     def read(v: Any) -> Any:
-        return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+        return v.val if isinstance(v, _jaxpr.Literal) else env[v]
 
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
@@ -238,7 +239,7 @@ def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
         for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, jax.extend.core.DropVar):
+            if not isinstance(v, _jaxpr.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
 
