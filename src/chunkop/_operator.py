@@ -338,6 +338,11 @@ class RowOperator(AbstractRowOperator):
         """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
         return _sharding.with_sharding(self.spec.in_structure(), self, rows=False)
 
+    def out_structure(self) -> Any:
+        """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``
+        (recorded when ``row_fn`` was traced, at construction)."""
+        return _sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
+
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
         if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices

@@ -74,6 +74,7 @@ class Spec:
     out_tree: Any  # a row's output treedef
     key: Any = dataclasses.field(default=None, repr=False)
     progress: Progress = dataclasses.field(default=None, repr=False)  # reported by every kernel's loop
+    out_leaves: tuple = dataclasses.field(default=(), repr=False)  # ShapeDtypeStructs of one row's output leaves
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -86,6 +87,11 @@ class Spec:
     def in_structure(self) -> Any:
         """``x``'s structure: a pytree of ``jax.ShapeDtypeStruct``."""
         return _tu.tree_unflatten(self.in_tree, list(self.in_leaves))
+
+    def out_structure(self, n_rows: int) -> Any:
+        """The output's structure for ``n_rows`` rows (known since the trace: no evaluation)."""
+        leaves = [jax.ShapeDtypeStruct((n_rows, *o.shape), o.dtype) for o in self.out_leaves]
+        return _tu.tree_unflatten(self.out_tree, leaves)
 
     def row_fn(self, consts: Any, row: Any, x: Any) -> Any:
         """``row_fn(row, x)``, evaluated from the jaxpr with these ``consts``."""
@@ -129,7 +135,8 @@ def make_spec(
         key = (jaxpr_key(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, progress_key)
     except Uncacheable:
         key = None
-    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key, progress)
+    out_leaves = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in _tu.tree_leaves(out_shape))
+    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key, progress, out_leaves)
     return spec, tuple(closed.consts)
 
 
