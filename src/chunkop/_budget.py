@@ -25,7 +25,10 @@ forward-mode levels (:func:`plan_mode`).
 The default budget (:func:`default_budget`) is ``chunkop.settings().budget_fraction`` of the device's free
 memory: ``bytes_limit - bytes_in_use`` from ``device.memory_stats()`` on accelerators, and
 ``MemAvailable`` from ``/proc/meminfo`` on CPU. On CPU the search also aims no higher than
-``chunkop.settings().cpu_temp_cap`` (cache-sized chunks are faster there).
+``chunkop.settings().cpu_temp_cap`` (cache-sized chunks are faster there); when that cap is at
+least ``_estimate.MARGIN`` times below the budget (the default budget), it is the only bound
+that binds, and a speed heuristic: the chunk then comes from :mod:`chunkop._estimate`, without
+compiling anything (``plan.compiled_bytes`` is None).
 """
 
 from __future__ import annotations

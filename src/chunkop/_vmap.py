@@ -397,8 +397,9 @@ def vmap(
             ``"auto"`` for the largest chunk whose compiled temp memory (forward and VJP;
             also the Hessian-vector product when called under two ``jvp`` levels) fits
             ``memory_budget``, found from XLA's memory analysis once per call signature
-            (no chunking when the whole axis fits). Under an enclosing ``jax.vmap`` the budget
-            is shared by its batch. See ``docs/scaling.md``.
+            (no chunking when the whole axis fits); on CPU with the default budget, where only
+            the 16 MiB throughput cap binds, from a compile-free estimate instead. Under an
+            enclosing ``jax.vmap`` the budget is shared by its batch. See ``docs/scaling.md``.
         axis_name: name of the mapped axis, for collectives (see above).
         axis_size: size of the mapped axis; needed only when no argument is mapped.
         spmd_axis_name: passed to the per-chunk ``jax.vmap``.
