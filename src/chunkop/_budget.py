@@ -49,6 +49,8 @@ from ._axes import replace_at
 from ._cache import register_cache
 from ._chunking import divisors, make_plan
 from ._settings import settings
+from ._tree import is_float as _is_float
+from ._tree import struct_of as _struct
 
 __all__ = [
     "MODES",
@@ -404,16 +406,6 @@ def _too_small(budget: int, n: int, smallest: tuple[int, int], mode: str) -> Val
 # Measuring a program's temp memory under the transforms it may be run with.
 
 
-def _struct(x: Any) -> Any:
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    aval = jax.typeof(x) if isinstance(x, jax.Array) else None
-    if aval is not None:
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-    x = np.asarray(x) if not hasattr(x, "dtype") else x
-    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
-
-
 # What a probe compile needs is XLA's buffer assignment, which runs before code generation: on
 # CPU, the LLVM backend at optimisation level 0 gives the same temp size (checked in
 # tests/test_budget.py) in about 60% of the compile time.
@@ -425,10 +417,6 @@ def _compiled_temp(fn: Callable, *structs: Any) -> int:
     options = _PROBE_OPTIONS.get(jax.default_backend())
     compiled = lowered.compile(options) if options else lowered.compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
-
-
-def _is_float(s: Any) -> bool:
-    return jnp.issubdtype(s.dtype, jnp.inexact)
 
 
 def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") -> int:

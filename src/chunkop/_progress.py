@@ -71,6 +71,8 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ._tree import is_float as _is_float
+
 __all__ = [
     "MAX_REPORTS",
     "Progress",
@@ -412,11 +414,6 @@ def _tap_some(vals: list, use: list, k: Any, shard: Any, **params: Any) -> list:
     for i, t in zip(idx, _tap([ad.instantiate_zeros(vals[i]) for i in idx], k, shard, **params)):
         out[i] = t
     return out
-
-
-def _is_float(x: Any) -> bool:
-    aval = x.aval if isinstance(x, ad.UndefinedPrimal) else jax.typeof(x)
-    return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 def _tap_jvp(primals: tuple, tangents: tuple, *, loop: _Loop, backward: bool, silent: bool) -> tuple:

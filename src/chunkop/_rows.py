@@ -44,6 +44,9 @@ from . import _jaxpr
 from ._cache import Uncacheable, jaxpr_key, setting_key
 from ._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
 from ._progress import Progress
+from ._tree import dtype_of as _dtype
+from ._tree import is_float as _is_float
+from ._tree import zeros_of as _zeros
 
 __all__ = ["Spec", "make_spec", "apply", "apply_transpose"]
 
@@ -160,18 +163,6 @@ def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:
 
 
 # -- dtype helpers --------------------------------------------------------------------------------
-
-
-def _is_float(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _dtype(a: Any) -> Any:
-    return jnp.dtype(a.dtype) if hasattr(a, "dtype") else jnp.result_type(a)
-
-
-def _zeros(structure: Any) -> Any:
-    return _tu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), structure)
 
 
 # -- the chunk loop -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from . import _jaxpr
 from ._axes import replace_at
 from ._cache import ClosesOverTracer, Uncacheable, jaxpr_key
+from ._tree import is_float as _is_float
 
 __all__ = ["Traced", "trace_example", "eval_traced"]
 
@@ -143,10 +144,6 @@ def _is_custom_vjp(eqn: Any) -> bool:
     return eqn.primitive.name == "custom_vjp_call" or any(
         type(v).__name__.startswith("CustomVJP") for v in eqn.params.values()
     )
-
-
-def _is_float(s: Any) -> bool:
-    return jnp.issubdtype(s.dtype, jnp.inexact)
 
 
 def _derivative_jaxprs(closed: Any, env: list) -> list:

@@ -1,0 +1,50 @@
+"""Small helpers on leaves and structures, shared by both layers (one definition each).
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from chunkop._tree import is_float, struct_of, zeros_of
+    >>> is_float(jnp.zeros(2)), is_float(jax.ShapeDtypeStruct((2,), jnp.int32)), is_float(1.0)
+    (True, False, True)
+    >>> struct_of(jnp.zeros((2, 3)))
+    ShapeDtypeStruct(shape=(2, 3), dtype=float32)
+    >>> zeros_of({"a": jax.ShapeDtypeStruct((2,), jnp.float32)})["a"]
+    Array([0., 0.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["dtype_of", "is_float", "struct_of", "zeros_of"]
+
+
+def dtype_of(x: Any) -> np.dtype:
+    """The dtype of an array, tracer, ``ShapeDtypeStruct``, aval (or an ``UndefinedPrimal``'s aval)
+    or Python/NumPy scalar (its JAX result type)."""
+    x = getattr(x, "aval", x) if type(x).__name__ == "UndefinedPrimal" else x
+    return jnp.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def is_float(x: Any) -> bool:
+    """Whether ``x`` (anything :func:`dtype_of` takes) has an inexact (float or complex) dtype."""
+    return bool(jnp.issubdtype(dtype_of(x), jnp.inexact))
+
+
+def struct_of(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and (canonical) dtype as a ``jax.ShapeDtypeStruct`` (no sharding, no weak type)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    if isinstance(x, jax.Array):
+        aval = jax.typeof(x)
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+    x = np.asarray(x) if not hasattr(x, "dtype") else x
+    return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def zeros_of(structure: Any) -> Any:
+    """Zeros shaped like every leaf of ``structure`` (arrays or ``ShapeDtypeStruct``s)."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(np.shape(s), dtype_of(s)), structure)
