@@ -356,3 +356,14 @@ def test_cpu_default_auto_plan_measures_when_it_cannot_estimate(monkeypatch):
     )
     plan = chunkop.plan(f, jnp.ones((20000, 8)))
     assert plan.probes and (plan.chunk is None or plan.compiled_bytes is not None)
+
+
+def test_cpu_default_auto_plan_does_not_count_unmapped_work_per_element(monkeypatch):
+    """Values ``fun`` computes from its constants alone (a 512 x 512 matrix product here) stay
+    unbatched under ``vmap``: once per chunk, not per element. Counting them per element would
+    shrink the chunk to a handful of elements (1 MiB each) and make the loop thousands of steps."""
+    _cpu_default_case(monkeypatch)
+    w = jnp.linspace(-1.0, 1.0, 512 * 512).reshape(512, 512)
+    f = chunkop.vmap(lambda x: jnp.tanh((w @ w)[:16, :16] @ x), chunk_size="auto")
+    plan = chunkop.plan(f, jnp.ones((65536, 16)))
+    assert plan.compiled_bytes is None and (plan.chunk is None or plan.chunk >= 4096), plan

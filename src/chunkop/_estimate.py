@@ -7,7 +7,8 @@ chunks costs a compile of the chunked program and its VJP per probe, about as lo
 user's own first compile, for a figure whose precision buys nothing there. So when the cap is far
 below the memory budget (:data:`MARGIN` times), the chunk is chosen from this estimate instead:
 the bytes of every value ``fun`` computes for one element (its inputs, every intermediate in its
-jaxpr and sub-jaxprs, a ``scan`` body counted once per iteration), with no compile at all.
+jaxpr and sub-jaxprs that depends on them, a ``scan`` body counted once per iteration), with no
+compile at all.
 
 The estimate errs high for fused elementwise chains (XLA keeps few of them alive at once) and is
 compared with compiled temp memory in ``tests/test_budget.py``. A jaxpr with a ``while`` loop
@@ -37,15 +38,23 @@ def _bytes(aval: Any) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize if np.dtype(dtype) != object else 0
 
 
-def _jaxpr_bytes(jaxpr: Any) -> int | None:
+def _jaxpr_bytes(jaxpr: Any, mapped: set) -> int | None:
+    """Bytes of the values in ``jaxpr`` that depend on the variables in ``mapped`` (what ``vmap``
+    batches: values computed from constants alone exist once per chunk, not per element)."""
+    mapped = set(mapped)
     total = 0
     for eqn in jaxpr.eqns:
+        hit = [not isinstance(v, jex_core.Literal) and v in mapped for v in eqn.invars]
+        if not any(hit):
+            continue
+        mapped.update(eqn.outvars)
         total += sum(_bytes(v.aval) for v in eqn.outvars)
         if eqn.primitive.name == "while":
             return None  # the trip count is not known: no estimate
         repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
         for sub in jex_core.jaxprs_in_params(eqn.params):
-            inner = _jaxpr_bytes(sub)
+            aligned = len(sub.invars) == len(hit)
+            inner = _jaxpr_bytes(sub, {v for v, h in zip(sub.invars, hit) if h} if aligned else set(sub.invars))
             if inner is None:
                 return None
             total += repeat * inner
@@ -54,16 +63,21 @@ def _jaxpr_bytes(jaxpr: Any) -> int | None:
 
 def element_bytes(jaxpr: Any, n_inputs: int | None = None) -> int | None:
     """The estimated bytes one element of a chunk costs: ``jaxpr``'s first ``n_inputs`` inputs
-    (default: all ``invars``; one element's mapped inputs) and every value it computes, or None
-    when it cannot be estimated.
+    (default: all ``invars``; one element's mapped inputs) and every value computed from them,
+    or None when it cannot be estimated. Values computed from the constants (``constvars``) or
+    the other inputs alone are not per element (``vmap`` leaves them unbatched).
 
     Example:
         >>> import jax, jax.numpy as jnp
         >>> from chunkop._estimate import element_bytes
         >>> element_bytes(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(jnp.zeros(10)).jaxpr)
         120
+        >>> w = jnp.ones((100, 100))
+        >>> element_bytes(jax.make_jaxpr(lambda x: (w @ w)[0] * x)(jnp.zeros(100)).jaxpr)
+        800
     """
-    inner = _jaxpr_bytes(jaxpr)
+    inputs = jaxpr.invars[:n_inputs]
+    inner = _jaxpr_bytes(jaxpr, set(inputs))
     if inner is None:
         return None
-    return inner + sum(_bytes(v.aval) for v in jaxpr.invars[:n_inputs])
+    return inner + sum(_bytes(v.aval) for v in inputs)
