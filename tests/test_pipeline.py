@@ -145,3 +145,22 @@ def test_row_operator_with_no_rows_under_auto():
     assert A.mv(jnp.ones(4)).shape == (0,)
     np.testing.assert_array_equal(A.T.mv(jnp.ones(0)), jnp.zeros(4))
     np.testing.assert_array_equal(jax.grad(lambda x: A.mv(x).sum())(jnp.ones(4)), jnp.zeros(4))
+
+
+def test_custom_vjp_closing_over_the_mapped_value_on_concrete_arguments():
+    """A custom_vjp defined in ``fun`` closing over the mapped value and called on a concrete
+    argument: folding concrete values while tracing would run it eagerly with this trace's
+    tracer in its closure (UnexpectedTracerError); the trace is redone without folding, and the
+    result is ``jax.vmap``'s (from JAX's api_test with chunkop.vmap swapped in)."""
+
+    def g(x):
+        @jax.custom_vjp
+        def f(y):
+            return x * y
+
+        f.defvjp(lambda y: (f(y), None), lambda r, ct: (ct,))
+        return f(3.0)
+
+    xs = jnp.arange(5.0)
+    np.testing.assert_allclose(chunkop.vmap(g, chunk_size=2)(xs), jax.vmap(g)(xs))
+    np.testing.assert_allclose(jax.jit(chunkop.vmap(g, chunk_size=2))(xs), jax.vmap(g)(xs))

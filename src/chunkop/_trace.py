@@ -307,7 +307,13 @@ def trace_example(
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
     n_env = n if axis_env_size is None else axis_env_size
     env = [(axis_name, n_env)] if axis_name is not None else []
-    with _fold_concrete(axis_name):
+    try:
+        with _fold_concrete(axis_name):
+            closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
+    except jax.errors.UnexpectedTracerError:
+        # Folding ran a custom_vjp/custom_jvp on concrete arguments eagerly while it closes over
+        # a value of this trace (jax.vmap never stages it, so it works there): trace again,
+        # without folding (fun's trace-time side effects then run twice, in this case only).
         closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
     if any(_jit_with_consts(eqn) for eqn in closed.jaxpr.eqns):
         # An inner jax.jit closing over arrays (built afresh per step over new parameters, say):
