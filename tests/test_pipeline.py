@@ -164,3 +164,15 @@ def test_custom_vjp_closing_over_the_mapped_value_on_concrete_arguments():
     xs = jnp.arange(5.0)
     np.testing.assert_allclose(chunkop.vmap(g, chunk_size=2)(xs), jax.vmap(g)(xs))
     np.testing.assert_allclose(jax.jit(chunkop.vmap(g, chunk_size=2))(xs), jax.vmap(g)(xs))
+
+
+def test_unmapped_input_passed_through_is_returned_itself():
+    """``out_axes=None`` for an unmapped input returned unchanged: ``jax.vmap`` returns that very
+    array; the loop returned a copy (from JAX's lax_control_flow_test with chunkop.vmap swapped in)."""
+    y = jnp.arange(4.0)
+    f = chunkop.vmap(lambda x, y: (x * 2, y), in_axes=(0, None), out_axes=(0, None), chunk_size=2)
+    out = f(jnp.arange(5.0), y)
+    assert out[1] is y
+    np.testing.assert_allclose(out[0], 2 * jnp.arange(5.0))
+    g = jax.grad(lambda y: f(jnp.arange(5.0), y)[1].sum() + f(jnp.arange(5.0), y)[0].sum())(y)
+    np.testing.assert_allclose(g, jnp.ones(4))

@@ -194,7 +194,11 @@ class _Chunked(abc.ABC):
         loop = make() if traced.key is None else self._cached_loop(traced.key, spec, make)
         if traced.derivative_error is not None:
             loop = _refusing_derivatives(loop, traced.derivative_error)
-        return loop(traced.consts, [leaves[i] for i in mapped])
+        return self._passed_through(loop(traced.consts, [leaves[i] for i in mapped]), traced)
+
+    def _passed_through(self, out: Any, traced: Any) -> Any:
+        """``out`` as it is (the stacking transforms return unmapped inputs themselves)."""
+        return out
 
     def _trace_and_plan(
         self, leaves: list, treedef: Any, axes: list, n: int, chunk: int | str, whole: int | None = None
@@ -309,6 +313,18 @@ class _VMapped(_Chunked):
 
     def _out_axes_spec(self) -> Any:
         return self.out_axes
+
+    def _passed_through(self, out: Any, traced: Any) -> Any:
+        """An unmapped output that is one of ``fun``'s unmapped inputs unchanged (a constant of
+        the trace, ``out_axes=None``) is returned as that very array, as ``jax.vmap`` does:
+        not a copy made by the loop."""
+        consts = {id(v): c for v, c in zip(traced.jaxpr.constvars, traced.consts)}
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        oaxes = self._flat_out_axes(traced.out_shapes)
+        for k, (v, a) in enumerate(zip(traced.jaxpr.outvars, oaxes)):
+            if a is None and id(v) in consts and isinstance(consts[id(v)], jax.Array):
+                leaves[k] = consts[id(v)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
         out_tree = jax.tree_util.tree_structure(out_shapes)
