@@ -70,59 +70,19 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 import time  # noqa: E402
 import traceback  # noqa: E402
 
+import _interaction_model as _model  # noqa: E402
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import chunkop  # noqa: E402
 
-N, D = 16, 8
+N = 16  # mapped axis (D and the function: tests/_interaction_model.py)
 BUDGET = 3072  # bytes per enclosing-vmap example: "auto" chunks a device's shard at this size
 
-
-@jax.custom_jvp
-def _cj(z):
-    return jnp.sin(z)
-
-
-@_cj.defjvp
-def _cj_jvp(primals, tangents):
-    (z,), (t,) = primals, tangents
-    return jnp.sin(z), jnp.cos(z) * t
-
-
-@jax.custom_vjp
-def _cv(z):
-    return jnp.tanh(z)
-
-
-_cv.defvjp(lambda z: (jnp.tanh(z), jnp.tanh(z)), lambda y, g: (g * (1.0 - y**2),))
-
-BODY = {"plain": jnp.tanh, "custom_jvp": _cj, "custom_vjp": _cv}
-
-
-def make_fun(body, coll=None):
-    act = BODY[body]
-
-    def f(w, x):
-        h = act(jnp.outer(x, x) @ w).sum(0)
-        if coll == "size":
-            h = h * (jax.lax.axis_size("i") / N) + jax.lax.psum(1.0, "i") / N
-        elif coll == "psum":
-            h = h - jax.lax.psum(h, "i") / N
-        return h
-
-    return f
-
-
-def data():
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.normal(size=(D, D)) / D, jnp.float32)
-    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
-    ws = jnp.asarray(rng.normal(size=(2, D, D)) / D, jnp.float32)
-    return w, x, ws
+make_fun = functools.partial(_model.make_fun, n=N)
+data = functools.partial(_model.data, N)
 
 
 def mesh_and_axis(kind):
@@ -132,18 +92,7 @@ def mesh_and_axis(kind):
     return jax.make_mesh((4,), ("d",), axis_types=types), "d"
 
 
-def run(mode, mapped, w, x, ws):
-    if mode == "eager":
-        return mapped(w, x)
-    if mode == "jit":
-        return jax.jit(mapped)(w, x)
-    if mode == "grad":
-        return jax.grad(lambda w, x: jnp.sum(mapped(w, x) ** 2), argnums=(0, 1))(w, x)
-    if mode == "vmap":
-        return jax.vmap(mapped, in_axes=(0, None))(ws, x)
-    if mode == "hessian":  # w.r.t. two scalars scaling and shifting w (a small Hessian)
-        return jax.hessian(lambda a: jnp.sum(mapped(w * a[0] + a[1], x) ** 2))(jnp.array([1.0, 0.1]))
-    raise AssertionError(mode)
+run = _model.run
 
 
 @functools.cache

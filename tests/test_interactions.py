@@ -33,93 +33,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _interaction_model as _model
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from conftest import assert_tree_allclose
 
 import chunkop
 
-N, D = 12, 8  # mapped axis, feature size: one (D, D) intermediate per example
+N = 12  # mapped axis; one (D, D) intermediate per example (tests/_interaction_model.py)
 BUDGET = 4096  # bytes: "auto" plans a chunk < N for the forward/grad program at this size
 CHUNKS = [None, 5, 4, "auto"]
 MODES = ["eager", "jit", "grad", "vmap", "hessian"]
 BODIES = ["plain", "custom_jvp", "custom_vjp"]
 
-
-@jax.custom_jvp
-def _cj(z):
-    return jnp.sin(z)
-
-
-@_cj.defjvp
-def _cj_jvp(primals, tangents):
-    (z,), (t,) = primals, tangents
-    return jnp.sin(z), jnp.cos(z) * t
-
-
-@jax.custom_vjp
-def _cv(z):
-    return jnp.tanh(z)
-
-
-def _cv_fwd(z):
-    y = jnp.tanh(z)
-    return y, y
-
-
-def _cv_bwd(y, g):
-    return (g * (1.0 - y**2),)
-
-
-_cv.defvjp(_cv_fwd, _cv_bwd)
-
-BODY = {"plain": jnp.tanh, "custom_jvp": _cj, "custom_vjp": _cv}
-
-
-def make_fun(body: str, coll: str | None = None):
-    """``f(w, x)`` of one example ``x`` (D,) with a (D, D) intermediate, optionally a collective."""
-    act = BODY[body]
-
-    def f(w, x):
-        h = act(jnp.outer(x, x) @ w).sum(0)  # (D,)
-        if coll == "size":  # axis-size queries: the full axis size N in every case
-            h = h * (jax.lax.axis_size("i") / N) + jax.lax.psum(1.0, "i") / N
-        elif coll == "psum":  # a collective over mapped values
-            h = h - jax.lax.psum(h, "i") / N
-        return h
-
-    return f
-
-
-def data():
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.normal(size=(D, D)) / D, jnp.float32)
-    x = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
-    ws = jnp.asarray(rng.normal(size=(2, D, D)) / D, jnp.float32)
-    return w, x, ws
+make_fun = functools.partial(_model.make_fun, n=N)
+data = functools.partial(_model.data, N)
+run = _model.run
 
 
 def budget_for(mode: str) -> int:
     """``BUDGET`` per example of the enclosing ``jax.vmap`` batch: "auto" divides its budget by
     that batch (2 for ``vmap``, and 2 tangents for ``jax.hessian``'s ``jacfwd``)."""
     return BUDGET * {"vmap": 2, "hessian": 2}.get(mode, 1)
-
-
-def run(mode: str, mapped, w, x, ws):
-    """``mapped(w, x)`` (a vmap over x's axis 0) under the transform ``mode``."""
-    if mode == "eager":
-        return mapped(w, x)
-    if mode == "jit":
-        return jax.jit(mapped)(w, x)
-    if mode == "grad":
-        return jax.grad(lambda w, x: jnp.sum(mapped(w, x) ** 2), argnums=(0, 1))(w, x)
-    if mode == "vmap":
-        return jax.vmap(mapped, in_axes=(0, None))(ws, x)
-    if mode == "hessian":  # w.r.t. two scalars scaling and shifting w (a small Hessian)
-        return jax.hessian(lambda a: jnp.sum(mapped(w * a[0] + a[1], x) ** 2))(jnp.array([1.0, 0.1]))
-    raise AssertionError(mode)
 
 
 def chunked(f, chunk, mode, **kw):

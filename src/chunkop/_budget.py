@@ -448,11 +448,13 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
     """
     check_mode(mode)
     structs = [_struct(x) for x in leaves]
+    worst = _compiled_temp(fn, *structs)
     diff = [i for i, s in enumerate(structs) if _is_float(s)]
+    if mode == "forward" or not diff:
+        return worst
     out = jax.eval_shape(fn, *structs)
     out_leaves = jax.tree_util.tree_leaves(out)
-    worst = _compiled_temp(fn, *structs)
-    if mode == "forward" or not diff or not any(_is_float(o) for o in out_leaves):
+    if not any(_is_float(o) for o in out_leaves):
         return worst
 
     def loss(dargs: list, rest: list) -> jax.Array:

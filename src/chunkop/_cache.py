@@ -45,7 +45,7 @@ import jax
 import numpy as np
 from jax._src import linear_util as _lu  # WrappedFun: how JAX holds custom rules in a jaxpr
 
-from . import _jaxpr as jex_core
+from . import _jaxpr
 from ._settings import settings
 
 __all__ = [
@@ -195,7 +195,7 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
             # JAX's wrappers of a user callable (a host callback's flat wrapper ...): the fields,
             # the user's callable among them, keyed like any other (never held by the key).
             fields = tuple(getattr(fn, f.name) for f in dataclasses.fields(fn))
-            return ("jax-dataclass", type(fn), tuple(_field_key(v, depth + 1) for v in fields))
+            return ("jax-dataclass", type(fn), tuple(value_key(v, depth + 1) for v in fields))
         try:  # JAX's own callable objects (checkpoint policies ...) define value equality
             hash(fn)
             return ("jax-object", type(fn), fn)
@@ -217,14 +217,6 @@ def setting_key(value: Any) -> Hashable:
     if isinstance(value, types.MethodType):
         return ("method", _Ident(value.__func__), _Ident(value.__self__))
     return ("setting", _Ident(value))
-
-
-def _field_key(value: Any, depth: int) -> Hashable:
-    if _is_function_like(value):
-        return callable_key(value, depth)
-    if isinstance(value, jax.tree_util.PyTreeDef) or _is_simple(value):
-        return _simple_key(value)
-    return value_key(value, depth)
 
 
 def _is_module_level(fn: types.FunctionType) -> bool:
@@ -342,11 +334,11 @@ def _literal_key(lit: Any) -> Hashable:
 
 
 def _param_key(value: Any, depth: int, rule_depth: int) -> Hashable:
-    if isinstance(value, jex_core.ClosedJaxpr):
+    if isinstance(value, _jaxpr.ClosedJaxpr):
         # values baked into a sub-jaxpr (an inner jit's closure, say) are keyed by value
         consts = tuple(value_key(c, depth) for c in value.consts)
         return ("closed_jaxpr", jaxpr_key(value.jaxpr, depth + 1, rule_depth), consts)
-    if isinstance(value, jex_core.Jaxpr):
+    if isinstance(value, _jaxpr.Jaxpr):
         return ("jaxpr", jaxpr_key(value, depth + 1, rule_depth))
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_param_key(v, depth, rule_depth) for v in value))
@@ -374,7 +366,7 @@ def _is_inexact(aval: Any) -> bool:
 
 def _traced_key(jaxpr: Any, consts: Any, depth: int, rule_depth: int) -> Hashable:
     """A traced rule: its jaxpr's structure and its constants by value."""
-    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    if isinstance(jaxpr, _jaxpr.ClosedJaxpr):
         jaxpr, consts = jaxpr.jaxpr, [*jaxpr.consts, *consts]
     return (jaxpr_key(jaxpr, depth + 1, rule_depth + 1), tuple(value_key(c, depth) for c in consts))
 
@@ -468,7 +460,7 @@ def jaxpr_key(jaxpr: Any, depth: int = 0, rule_depth: int = 0) -> Hashable:
         return _aval_key(v.aval)
 
     def ref(v: Any) -> Hashable:
-        if isinstance(v, jex_core.Literal):
+        if isinstance(v, _jaxpr.Literal):
             return _literal_key(v)
         return names[v]
 
@@ -481,7 +473,7 @@ def jaxpr_key(jaxpr: Any, depth: int = 0, rule_depth: int = 0) -> Hashable:
     for eqn in jaxpr.eqns:
         params = _eqn_params_key(eqn, depth, rule_depth)
         ins = tuple(ref(v) for v in eqn.invars)
-        outs = tuple(("drop", _aval_key(v.aval)) if isinstance(v, jex_core.DropVar) else bind(v) for v in eqn.outvars)
+        outs = tuple(("drop", _aval_key(v.aval)) if isinstance(v, _jaxpr.DropVar) else bind(v) for v in eqn.outvars)
         eqns.append((eqn.primitive.name, params, ins, outs))
     return (head, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
 

@@ -74,6 +74,11 @@ def _norm(a: Any) -> jax.Array:
     return jnp.sqrt(sum(jnp.sum(jnp.abs(_wide(x)) ** 2) for x in jax.tree_util.tree_leaves(a)))
 
 
+def _diff_norm(a: Any, b: Any) -> jax.Array:
+    """``|a - b|`` over the pytrees' leaves, in at least float32."""
+    return _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), a, b))
+
+
 def check_linear(
     operator: AbstractRowOperator | TransposedRowOperator, *, key: jax.Array | None = None, rtol: float | None = None
 ) -> dict:
@@ -155,28 +160,27 @@ def check_linear(
             f"check_linear: the operator is not linear in x: A(a x1 + b x2) differs from "
             f"a A(x1) + b A(x2) by {errors['superposition']:.3g} (relative; tolerance {rtol:.3g})."
         )
-    errors["matvec"] = float(
-        _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), _mv(operator, x1), ax1))
-        / (_norm(ax1) + jnp.finfo(dtype).tiny)
-    )
+    errors["matvec"] = float(_diff_norm(_mv(operator, x1), ax1) / (_norm(ax1) + jnp.finfo(dtype).tiny))
     if not errors["matvec"] <= rtol:  # NaN fails too
         raise ValueError(
             f"check_linear: operator.mv(x) differs from row_fn applied row by row by "
             f"{errors['matvec']:.3g} (relative; tolerance {rtol:.3g})."
         )
-    lhs, rhs = _dot(ax1, y), _dot(x1, _rmv(operator, y))
+    aty = _rmv(operator, y)
+    lhs, rhs = _dot(ax1, y), _dot(x1, aty)
     errors["adjoint"] = float(jnp.abs(lhs - rhs) / (jnp.abs(lhs) + jnp.abs(rhs) + jnp.finfo(dtype).tiny))
     if not errors["adjoint"] <= rtol:  # NaN fails too
         raise ValueError(
             f"check_linear: <A x, y> = {_num(lhs)} but <x, A^T y> = {_num(rhs)} "
-            f"(relative error {errors['adjoint']:.3g}, tolerance {rtol:.3g}). {_adjoint_cause(operator, y, rtol)}"
+            f"(relative error {errors['adjoint']:.3g}, tolerance {rtol:.3g}). {_adjoint_cause(operator, y, aty, rtol)}"
         )
     return errors
 
 
-def _adjoint_cause(operator: Any, y: Any, rtol: float) -> str:
-    """Why the adjoint test failed: ``A.T.mv`` against ``jax.linear_transpose`` of ``row_fn``
-    applied row by row (unchunked) tells a wrong transpose kernel from out-of-range indices."""
+def _adjoint_cause(operator: Any, y: Any, aty: Any, rtol: float) -> str:
+    """Why the adjoint test failed: ``aty = A.T.mv(y)`` against ``jax.linear_transpose`` of
+    ``row_fn`` applied row by row (unchunked) tells a wrong transpose kernel from out-of-range
+    indices."""
     in_struct = operator.in_structure()
     try:
         (reference,) = jax.jit(
@@ -184,9 +188,7 @@ def _adjoint_cause(operator: Any, y: Any, rtol: float) -> str:
         )(operator, y)
     except Exception as err:  # noqa: BLE001 - a diagnosis only: say what could not be checked
         return f"(The transpose of row_fn could not be computed to tell the cause: {type(err).__name__}.)"
-    ours = _rmv(operator, y)
-    diff = _norm(jax.tree_util.tree_map(lambda p, q: _wide(p) - _wide(q), ours, reference))
-    kernel_error = float(diff / (_norm(reference) + _norm(ours) + jnp.finfo(jnp.float32).tiny))
+    kernel_error = float(_diff_norm(aty, reference) / (_norm(reference) + _norm(aty) + jnp.finfo(jnp.float32).tiny))
     if not kernel_error <= rtol:
         return (
             f"A.T.mv differs from jax.linear_transpose of row_fn by {kernel_error:.3g} (relative): "

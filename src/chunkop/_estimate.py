@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _jaxpr as jex_core
+from . import _jaxpr
 
 __all__ = ["MARGIN", "element_bytes"]
 
@@ -41,20 +41,14 @@ def _bytes(aval: Any) -> int:
 def _jaxpr_bytes(jaxpr: Any, mapped: set) -> int | None:
     """Bytes of the values in ``jaxpr`` that depend on the variables in ``mapped`` (what ``vmap``
     batches: values computed from constants alone exist once per chunk, not per element)."""
-    mapped = set(mapped)
     total = 0
-    for eqn in jaxpr.eqns:
-        hit = [not isinstance(v, jex_core.Literal) and v in mapped for v in eqn.invars]
-        if not any(hit):
-            continue
-        mapped.update(eqn.outvars)
+    for eqn, subs in _jaxpr.dependent_eqns(jaxpr, mapped):
         total += sum(_bytes(v.aval) for v in eqn.outvars)
         if eqn.primitive.name == "while":
             return None  # the trip count is not known: no estimate
         repeat = int(eqn.params.get("length", 1)) if eqn.primitive.name == "scan" else 1
-        for sub in jex_core.jaxprs_in_params(eqn.params):
-            aligned = len(sub.invars) == len(hit)
-            inner = _jaxpr_bytes(sub, {v for v, h in zip(sub.invars, hit) if h} if aligned else set(sub.invars))
+        for sub, inputs in subs:
+            inner = _jaxpr_bytes(sub, inputs)
             if inner is None:
                 return None
             total += repeat * inner

@@ -1,4 +1,5 @@
-"""The jaxpr types chunkop reads, from ``jax.extend.core`` where this JAX version exports them.
+"""The jaxpr types chunkop reads (from ``jax.extend.core`` where this JAX version exports them),
+and the one walk over a jaxpr's data dependencies that the estimate and the checks share.
 
 ``jax.extend.core`` exports ``DropVar`` and ``jaxprs_in_params`` only in recent versions;
 older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them in
@@ -7,9 +8,12 @@ older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from jax.extend import core as _ext
 
-__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "jaxprs_in_params"]
+__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "dependent_eqns", "jaxprs_in_params"]
 
 ClosedJaxpr = _ext.ClosedJaxpr
 Jaxpr = _ext.Jaxpr
@@ -22,3 +26,21 @@ except AttributeError:  # jax < 0.10
 
     DropVar = _core.DropVar
     jaxprs_in_params = _core.jaxprs_in_params
+
+
+def dependent_eqns(jaxpr: Any, inputs: set) -> Iterator[tuple[Any, list[tuple[Any, set]]]]:
+    """The equations of ``jaxpr`` that read a value depending on the variables in ``inputs``, in
+    order, each with its sub-jaxprs and the sub-jaxpr inputs that depend on them: input by input
+    where the sub-jaxpr's inputs line up with the equation's, else all of them.
+    """
+    depends = set(inputs)
+    for eqn in jaxpr.eqns:
+        hit = [not isinstance(v, Literal) and v in depends for v in eqn.invars]
+        if not any(hit):
+            continue
+        depends.update(eqn.outvars)
+        subs = [
+            (sub, {v for v, h in zip(sub.invars, hit) if h} if len(sub.invars) == len(hit) else set(sub.invars))
+            for sub in jaxprs_in_params(eqn.params)
+        ]
+        yield eqn, subs

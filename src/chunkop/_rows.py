@@ -145,24 +145,11 @@ def make_spec(
 
 def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:
     """Whether a ``stop_gradient`` in ``jaxpr`` (or a sub-jaxpr) reads a value that depends on
-    the variables in ``depends``. Sub-jaxprs whose inputs line up with the equation's are
-    followed input by input; any other sub-jaxpr is assumed to depend on all its inputs."""
-    depends = set(depends)
-    for eqn in jaxpr.eqns:
-        hit = [not isinstance(v, _jaxpr.Literal) and v in depends for v in eqn.invars]
-        if not any(hit):
-            continue
-        if eqn.primitive.name == "stop_gradient":
+    the variables in ``depends``."""
+    for eqn, subs in _jaxpr.dependent_eqns(jaxpr, depends):
+        if eqn.primitive.name == "stop_gradient" or any(_stops_gradient_of_x(sub, d) for sub, d in subs):
             return True
-        for sub in _jaxpr.jaxprs_in_params(eqn.params):
-            inner = set(sub.invars) if len(sub.invars) != len(hit) else {v for v, h in zip(sub.invars, hit) if h}
-            if _stops_gradient_of_x(sub, inner):
-                return True
-        depends.update(eqn.outvars)
     return False
-
-
-# -- dtype helpers --------------------------------------------------------------------------------
 
 
 # -- the chunk loop -------------------------------------------------------------------------------

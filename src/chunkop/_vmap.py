@@ -43,11 +43,6 @@ def _wrap(fun: Callable, wrapper: Any) -> Any:
 # wrapper, which holds the user's function), so a cached loop keeps no user function alive.
 
 
-def _setting_key(value: Any) -> Hashable:
-    """A cache key for ``remat``/``progress``: see :func:`chunkop._cache.setting_key`."""
-    return setting_key(value)
-
-
 class LoopSpec(NamedTuple):
     """Everything static about one chunk loop besides the jaxpr (hashable: part of its key)."""
 
@@ -281,7 +276,7 @@ class _Chunked(abc.ABC):
             full_key = (
                 type(self).__name__,
                 key,
-                spec._replace(remat=_setting_key(spec.remat), progress=_setting_key(spec.progress)),
+                spec._replace(remat=setting_key(spec.remat), progress=setting_key(spec.progress)),
             )
             hash(full_key)
         except (Uncacheable, TypeError):
