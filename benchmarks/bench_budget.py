@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import chunkop
-from chunkop import _budget
+from chunkop import _operator_plan
 
 MiB = 2**20
 
@@ -123,7 +123,7 @@ def los_problem(n: int, npix: int = 4096, k: int = 16):
 
     def operator_temp(chunk):
         # the planner's measure: worst of mv, T.mv and their VJPs at this chunk
-        return _budget.rows_temp_bytes(row_fn, rows, xs, chunk)
+        return _operator_plan.rows_temp_bytes(row_fn, rows, xs, chunk)
 
     return rows, row_fn, xs, (x, v), hvp_of, operator_temp
 

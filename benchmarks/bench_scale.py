@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_los as B
 
 import chunkop
-from chunkop._budget import free_memory
+from chunkop._memory import free_memory
 
 los = B.los
 N_PIX, N_BINS = 786432, 516  # healpix nside 256 x 516 distance bins

@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_tree_allclose, make_los_rows, primitive_names
 
 import chunkop
-from chunkop import _budget
+from chunkop import _memory, _operator_plan, _search
 
 MiB = 2**20
 
@@ -48,7 +48,7 @@ def test_choose_chunk_affine_takes_the_largest_chunk_within_budget():
         calls.append(c)
         return 10_000 + 100 * c
 
-    plan = _budget.choose_chunk(temp, n=100_000, budget=1_010_000)
+    plan = _search.choose_chunk(temp, n=100_000, budget=1_010_000)
     assert plan.compiled_bytes <= 1_010_000
     assert plan.compiled_bytes == temp(plan.chunk)
     # the largest chunk within budget is 10_000, a divisor of n: found exactly
@@ -57,7 +57,7 @@ def test_choose_chunk_affine_takes_the_largest_chunk_within_budget():
 
 
 def test_choose_chunk_whole_axis_fits_means_no_chunking():
-    plan = _budget.choose_chunk(lambda c: 8 * c, n=1000, budget=10_000)
+    plan = _search.choose_chunk(lambda c: 8 * c, n=1000, budget=10_000)
     assert plan.chunk is None and plan.compiled_bytes == 8000 and len(plan.probes) == 1
 
 
@@ -68,7 +68,7 @@ def test_choose_chunk_non_affine_stays_within_budget():
         return 5_000 + 40 * c + (30 * rem if rem else 0)
 
     for budget in (20_000, 60_000, 150_000):
-        plan = _budget.choose_chunk(temp, n=10_000, budget=budget)
+        plan = _search.choose_chunk(temp, n=10_000, budget=budget)
         assert temp(plan.chunk) <= budget
         best = max(c for c in range(1, 5001) if temp(c) <= budget)
         assert plan.chunk >= 0.5 * best, (budget, plan, best)
@@ -76,23 +76,30 @@ def test_choose_chunk_non_affine_stays_within_budget():
 
 def test_choose_chunk_budget_too_small_raises_with_the_least_memory():
     with pytest.raises(ValueError, match=r"memory_budget.*too small.*chunk_size=1\b"):
-        _budget.choose_chunk(lambda c: 1000 + c, n=100, budget=500)
+        _search.choose_chunk(lambda c: 1000 + c, n=100, budget=500)
+
+
+def test_choose_chunk_halving_measures_the_chunk_the_loop_runs():
+    """Halving from the smallest chunk tried (75 of 1200) asks for 37, which the chunk plan runs
+    as 30 (a divisor of 1200): it is measured, and taken, as 30 (it used to raise KeyError)."""
+    plan = _search.choose_chunk(lambda c: 10**6 if c > 40 else 100 + c, n=1200, budget=140)
+    assert plan.chunk == 30 and plan.compiled_bytes == 130 and plan.probes[-1] == (30, 130)
 
 
 def test_choose_chunk_throughput_cap():
     temp = lambda c: 1000 + 10 * c
-    plan = _budget.choose_chunk(temp, n=100_000, budget=10**9, cap=101_000)
+    plan = _search.choose_chunk(temp, n=100_000, budget=10**9, cap=101_000)
     assert plan.chunk == 10_000 and plan.budget == 10**9 and plan.cap == 101_000
     # nothing fits the cap but something fits the budget: the least-memory chunk, no error
-    plan = _budget.choose_chunk(lambda c: 50_000 + c, n=1000, budget=60_000, cap=10_000)
+    plan = _search.choose_chunk(lambda c: 50_000 + c, n=1000, budget=60_000, cap=10_000)
     assert plan.chunk is not None and plan.compiled_bytes <= 60_000
-    assert _budget.throughput_cap() == chunkop.settings().cpu_temp_cap  # the tests run on CPU
+    assert _memory.throughput_cap() == chunkop.settings().cpu_temp_cap  # the tests run on CPU
 
 
 def test_default_budget_is_a_fraction_of_free_memory():
-    free = _budget.free_memory()
+    free = _memory.free_memory()
     assert free > 0
-    budget = _budget.default_budget()
+    budget = _memory.default_budget()
     # rounded down to 3 significant bits: within (3/4, 1] of the fraction (free memory moves a little
     # between the two reads)
     fraction = chunkop.settings().budget_fraction
@@ -102,14 +109,14 @@ def test_default_budget_is_a_fraction_of_free_memory():
 
 def test_default_budget_rounding(monkeypatch):
     for free, expected in [(23_000_000_000, 10 * 2**30), (2 * 2**30, 2**30), (3, 1), (2**20 + 5, 2**19)]:
-        monkeypatch.setattr(_budget, "free_memory", lambda device=None, free=free: free)
-        assert _budget.default_budget() == expected, (free, _budget.default_budget())
+        monkeypatch.setattr(_memory, "free_memory", lambda device=None, free=free: free)
+        assert _memory.default_budget() == expected, (free, _memory.default_budget())
 
 
 def test_auto_plans_with_the_default_budget_are_cached(monkeypatch):
     """The default budget moves with free memory; within the rounding, plans are reused."""
     frees = iter([8_000_000_000 + 4096 * k for k in range(100)])
-    monkeypatch.setattr(_budget, "free_memory", lambda device=None: next(frees))
+    monkeypatch.setattr(_memory, "free_memory", lambda device=None: next(frees))
     f = chunkop.vmap(jnp.sin, chunk_size="auto")
     x = jnp.ones((3000, 4))
     f(x)
@@ -285,37 +292,37 @@ def test_choose_chunk_large_axis_skips_the_whole_compile_and_never_compiles_a_lo
         calls.append(c)
         return 3400 * c + 20_000
 
-    plan = _budget.choose_chunk(temp, n=131072, budget=10 * 2**30, cap=16 * 2**20)
+    plan = _search.choose_chunk(temp, n=131072, budget=10 * 2**30, cap=16 * 2**20)
     assert 131072 not in calls  # predicted far over the cap: never compiled whole
     assert len(calls) == len(set(calls)) <= 4, calls
     assert 0.5 * 16 * 2**20 <= plan.compiled_bytes <= 16 * 2**20
     # a user's budget of 16 MiB (no cap) is filled to within 80%
-    plan = _budget.choose_chunk(temp, n=131072, budget=16 * 2**20)
+    plan = _search.choose_chunk(temp, n=131072, budget=16 * 2**20)
     assert 0.8 * 16 * 2**20 <= plan.compiled_bytes <= 16 * 2**20
     # and a large axis predicted to fit is compiled whole, and taken
     calls.clear()
-    assert _budget.choose_chunk(temp, n=131072, budget=2**30).chunk is None
+    assert _search.choose_chunk(temp, n=131072, budget=2**30).chunk is None
     assert calls[-1] == 131072
 
 
 def test_probe_compiles_at_backend_opt_level_0_measure_the_same_temp():
     """Planning probes compile with LLVM at -O0 on CPU (buffer assignment runs before code
     generation): the temp size must equal the default compile's, for a chunk loop and its VJP."""
-    assert _budget._PROBE_OPTIONS.get("cpu")
+    assert _memory._PROBE_OPTIONS.get("cpu")
     w = jnp.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)
     f = chunkop.vmap(lambda x: jnp.tanh(w @ jnp.tanh(w @ x)).sum(), chunk_size=300)
     x = jax.ShapeDtypeStruct((2000, 64), jnp.float32)
     for prog in (f, jax.grad(lambda x: f(x).sum())):
         lowered = jax.jit(prog).lower(x)
         default = lowered.compile().memory_analysis().temp_size_in_bytes
-        assert default > 0 and _budget._compiled_temp(prog, x) == default
+        assert default > 0 and _memory._compiled_temp(prog, x) == default
 
 
 # -- the compile-free throughput plan (CPU, default budget) --------------------------------------
 
 
 def _cpu_default_case(monkeypatch):
-    monkeypatch.setattr(_budget, "free_memory", lambda device=None: 16 * 2**30)  # default budget 8 GiB
+    monkeypatch.setattr(_memory, "free_memory", lambda device=None: 16 * 2**30)  # default budget 8 GiB
     return chunkop.settings().cpu_temp_cap
 
 
@@ -330,7 +337,7 @@ def test_cpu_default_auto_plan_compiles_nothing_and_its_chunk_fits_the_cap(monke
     with jax.ensure_compile_time_eval():
         plan = chunkop.plan(f, xs)
     assert plan.compiled_bytes is None and plan.probes == () and plan.chunk is not None
-    measured = _budget.program_temp_bytes(chunkop.vmap(lambda x: mlp(w, x), chunk_size=plan.chunk), [xs], "grad")
+    measured = _memory.program_temp_bytes(chunkop.vmap(lambda x: mlp(w, x), chunk_size=plan.chunk), [xs], "grad")
     assert cap / 16 <= measured <= cap, (plan, measured)
     # the users' LOS operator: every kernel and VJP measured at the chosen chunk
     rows = make_los_rows(131072, 3072)
@@ -344,7 +351,7 @@ def test_cpu_default_auto_plan_compiles_nothing_and_its_chunk_fits_the_cap(monke
 
     A = chunkop.RowOperator(row_fn, rows, x_struct)
     assert A.budget_plan.compiled_bytes is None and A.budget_plan.probes == ()
-    measured = _budget.rows_temp_bytes(row_fn, rows, x_struct, A.chunk_size)
+    measured = _operator_plan.rows_temp_bytes(row_fn, rows, x_struct, A.chunk_size)
     assert cap / 16 <= measured <= cap, (A.budget_plan, measured)
 
 

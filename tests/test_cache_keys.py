@@ -220,13 +220,11 @@ def test_integer_reductions_follow_jnp(reduce):
 
 
 def test_clear_caches_empties_plans_too_and_settings_bound_the_loop_cache():
-    from chunkop import _budget
-
     f = chunkop.sum(lambda xi: jnp.tanh(xi) ** 2, chunk_size="auto", memory_budget=1 << 20)
     f(X)
-    assert _budget._PLANS and _cache._LOOPS
+    assert _cache._PLANS and _cache._LOOPS
     chunkop.clear_caches()
-    assert not _budget._PLANS and not _cache._LOOPS
+    assert not _cache._PLANS and not _cache._LOOPS
     old = chunkop.configure(loop_cache_size=2)
     try:
         for k in range(4):  # four different loops (different unmapped shapes)

@@ -25,7 +25,9 @@ compiled afresh, and never kept.
 
 The cache is a bounded LRU (``chunkop.settings().loop_cache_size`` loops, 128 by default). It holds jaxprs without their
 top-level constants (those are hoisted and passed as arguments), so it keeps alive only what
-the custom rules and callbacks of at most that many loops hold. :func:`clear_caches` empties it.
+the custom rules and callbacks of at most that many loops hold. Beside it, the ``"auto"`` plans
+(:func:`cached_plan`) are kept per call signature, under keys built on the same fingerprints.
+:func:`clear_caches` empties both, and every cache registered with :func:`register_cache`.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
     "callable_key",
     "value_key",
     "cached",
+    "cached_plan",
     "clear_caches",
     "register_cache",
 ]
@@ -498,6 +501,36 @@ def cached(key: Hashable, make: Callable[[], Callable]) -> Callable:
     return loop
 
 
+# -- the plan cache -------------------------------------------------------------------------------
+
+_PLANS: dict = {}
+
+
+def cached_plan(key: Hashable, compute: Callable[[], Any]) -> Any:
+    """The ``"auto"`` plan cached under ``key``, computed by ``compute()`` on first use.
+
+    At most ``chunkop.settings().plan_cache_size`` plans are kept (the oldest dropped first).
+
+    Args:
+        key: the call signature the plan is for; an unhashable key is not cached.
+        compute: makes the plan (a :class:`chunkop.BudgetPlan`).
+
+    Returns:
+        The cached plan, or the one ``compute()`` makes.
+    """
+    try:
+        hash(key)
+    except TypeError:
+        return compute()
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = compute()
+        while _PLANS and len(_PLANS) >= settings().plan_cache_size:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+    return plan
+
+
 _CLEARERS: list[Callable[[], None]] = []
 
 
@@ -519,5 +552,6 @@ def clear_caches() -> None:
     """
     with _LOCK:
         _LOOPS.clear()
+    _PLANS.clear()
     for clear in _CLEARERS:
         clear()

@@ -14,7 +14,7 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from . import _budget, _rows, _sharding
+from . import _budget, _operator_plan, _row_sharding, _rows
 from ._progress import Progress, check_progress
 from ._vmap import vmap
 
@@ -159,7 +159,7 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
         structs = jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct((self.n_rows,) + tuple(s.shape), s.dtype), per_row
         )
-        return _sharding.with_sharding(structs, self, rows=True)  # Explicit-mesh row sharding
+        return _row_sharding.with_sharding(structs, self, rows=True)  # Explicit-mesh row sharding
 
     def as_matrix(self) -> jax.Array:
         """The dense ``(out_size, in_size)`` matrix, materialised one chunk of rows at a time.
@@ -245,7 +245,7 @@ class RowOperator(AbstractRowOperator):
     consts: tuple
     spec: _rows.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
-    mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _sharding)
+    mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _row_sharding)
     out_sharding: str = eqx.field(static=True, default="rows")  # "rows" or "replicated"
     budget_plan: Any = eqx.field(static=True, default=None)  # chunk_size="auto": see chunkop.plan
 
@@ -310,10 +310,10 @@ class RowOperator(AbstractRowOperator):
             chunk_size = 1  # nothing to plan: no row, no chunk
         if chunk_size == "auto":
             x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
-            self.budget_plan = _budget.plan_rows(row_fn, rows, x_struct, memory_budget)
+            self.budget_plan = _operator_plan.plan_rows(row_fn, rows, x_struct, memory_budget)
             chunk_size = self.budget_plan.chunk or n_rows
-        self.mesh_axes = _sharding.row_mesh(rows)
-        with _sharding.spec_context(rows):  # rows over devices: trace without a mesh context
+        self.mesh_axes = _row_sharding.row_mesh(rows)
+        with _row_sharding.spec_context(rows):  # rows over devices: trace without a mesh context
             self.spec, self.consts = _rows.make_spec(
                 row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
             )
@@ -336,25 +336,25 @@ class RowOperator(AbstractRowOperator):
 
     def in_structure(self) -> Any:
         """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
-        return _sharding.with_sharding(self.spec.in_structure(), self, rows=False)
+        return _row_sharding.with_sharding(self.spec.in_structure(), self, rows=False)
 
     def out_structure(self) -> Any:
         """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``
         (recorded when ``row_fn`` was traced, at construction)."""
-        return _sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
+        return _row_sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
 
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
-        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # rows sharded over devices
-            out = _sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
-            return _sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
+        if (mesh_axes := _row_sharding.operator_mesh(self)) is not None:  # rows sharded over devices
+            out = _row_sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
+            return _row_sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
         return _rows.apply(self.spec, self.consts, self.rows, vector)
 
     def apply_transpose(self, vector: Any) -> Any:
         """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
-        if (mesh_axes := _sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
-            return _sharding.sharded_apply_transpose(
-                _rows.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes
+        if (mesh_axes := _row_sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
+            return _row_sharding.sharded_apply(
+                _rows.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes, transpose=True
             )
         return _rows.apply_transpose(self.spec, self.consts, self.rows, vector)
 

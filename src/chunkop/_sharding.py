@@ -15,10 +15,8 @@ Unmapped arguments are passed replicated. Under ``jax.jit`` on an Auto mesh the 
 carry no sharding, so there is nothing to detect: use an Explicit mesh (``jax.make_mesh``'s
 default) or call outside ``jit`` with sharded arrays.
 
-The same module holds the row-sharded kernels of :class:`chunkop.RowOperator`
-(:func:`row_mesh`, :func:`sharded_apply`, :func:`sharded_apply_transpose`): rows sharded along
-their leading axis give ``mv`` rows sharded the same way, and ``T.mv`` sums the devices'
-x-space results with one ``psum``.
+The row-sharded kernels of :class:`chunkop.RowOperator` are in :mod:`chunkop._row_sharding`;
+they use this module's :class:`MeshAxes` and its resharding to a ``shard_map``'s specs.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,19 +33,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._axes import flat_out_axes
-from ._cache import register_cache
 
 __all__ = [
     "MeshAxes",
     "mapped_mesh_axes",
     "call_sharded",
-    "row_mesh",
-    "operator_mesh",
-    "spec_context",
-    "with_sharding",
-    "sharded_apply",
-    "sharded_apply_transpose",
-    "replicate",
 ]
 
 
@@ -306,45 +296,13 @@ def _build(
 
 
 # ----------------------------------------------------------------------------------------------
-# RowOperator with rows sharded along the row axis.
-
-
-def row_mesh(rows: Any) -> MeshAxes | None:
-    """The mesh axes the leading (row) axis of ``rows`` is sharded over, or None.
-
-    All sharded leaves must agree; unsharded leaves are resharded by ``shard_map``.
-    """
-    leaves = jax.tree_util.tree_leaves(rows)
-    return mapped_mesh_axes(leaves, [0] * len(leaves), "RowOperator")
-
-
-def spec_context(rows: Any) -> Any:
-    """The context to trace a row-sharded operator's ``row_fn`` in: no mesh.
-
-    A jaxpr traced under ``jax.set_mesh`` records that mesh in its nested ``jit`` equations
-    (``jnp`` functions are jitted), and evaluating it inside ``shard_map``, where the row axis is
-    Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both
-    places. Only operators with sharded rows are traced so (an unsharded operator built under
-    an Explicit mesh needs its mesh context for its derivatives); so the ``row_fn`` of an
-    operator built under a mesh from unsharded rows cannot be reused for sharded rows: build
-    the sharded operator from its own ``row_fn``, or build the first one outside the mesh.
-    """
-    if row_mesh(rows) is None or jax.sharding.get_abstract_mesh().empty:
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
-
-
-def operator_mesh(op: Any) -> MeshAxes | None:
-    """The mesh axes a ``RowOperator``'s rows are sharded over: from the rows themselves, or as
-    recorded when the operator was built (under ``jax.jit`` on an Auto mesh, traced rows carry no
-    sharding; an operator built outside ``jit`` from sharded rows keeps it)."""
-    found = row_mesh(op.rows)
-    if found is None and not getattr(_LOCAL, "active", False):
-        found = getattr(op, "mesh_axes", None)
-    return found
+# RowOperator with rows sharded along the row axis: moved to _row_sharding.py. Here: resharding
+# to the specs a shard_map expects on an Explicit mesh (the transforms' dispatch and the
+# row-sharded kernels both use it).
 
 
 def _explicit(mesh_axes: MeshAxes) -> bool:
+    """Whether every mesh axis of ``mesh_axes`` is Explicit (array types carry the sharding)."""
     mesh = mesh_axes.mesh
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     return all(types.get(a) == jax.sharding.AxisType.Explicit for a in mesh_axes.names)
@@ -352,7 +310,16 @@ def _explicit(mesh_axes: MeshAxes) -> bool:
 
 def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
     """On an Explicit mesh, reshard the leaves whose sharding type differs from ``specs``
-    (``shard_map`` requires the types to match; e.g. lineax may hand over replicated rows)."""
+    (``shard_map`` requires the types to match; e.g. lineax may hand over replicated rows).
+
+    Args:
+        tree: a pytree of arrays.
+        specs: a ``PartitionSpec`` per leaf (a pytree prefix of ``tree``).
+        mesh_axes: the mesh (named, so that this works outside a ``jax.set_mesh`` context).
+
+    Returns:
+        ``tree``, resharded where needed; unchanged on a mesh that is not Explicit.
+    """
     if not _explicit(mesh_axes):
         return tree
 
@@ -370,149 +337,16 @@ def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
     return jax.tree_util.tree_map(fix, tree, specs)
 
 
-def _any_explicit(mesh: Any) -> bool:
-    types = getattr(mesh, "axis_types", ()) or ()
-    return not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in types)
+_MOVED = ("row_mesh", "operator_mesh", "spec_context", "with_sharding", "sharded_apply", "replicate")
 
 
-@functools.lru_cache(maxsize=1024)
-def _normalised(struct: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """``struct`` as lineax normalises structures: through ``jax.eval_shape`` (which, on an
-    Explicit mesh, writes the partition spec out to one entry per dimension, e.g. ``P()`` ->
-    ``P(None,)``), without a weak dtype. lineax compares structures with ``==``, so ours must be
-    in that form for ``A.T @ A + lam * lx.IdentityLinearOperator(A.in_structure())``."""
-    out = jax.eval_shape(lambda v: v, struct)
-    return jax.ShapeDtypeStruct(out.shape, out.dtype, sharding=out.sharding)
+def __getattr__(name: str) -> Any:
+    """The row-sharded kernels moved to :mod:`chunkop._row_sharding`: forwarded there for now
+    (``sharded_apply_transpose`` is now ``sharded_apply(..., transpose=True)``)."""
+    from . import _row_sharding
 
-
-register_cache(_normalised.cache_clear)
-
-
-def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
-    """A ``RowOperator``'s in/out structure, typed as the vectors it takes and returns are.
-
-    lineax compares an operator's structures with ``jax.eval_shape`` of vectors (and of other
-    operators' structures), which on an Explicit mesh include the sharding. So:
-
-    - rows sharded over an Explicit mesh: the row space (``rows=True``) is sharded like the
-      rows along its leading axis (replicated for ``out_sharding="replicated"``), the x space
-      replicated (``T.mv`` ends in a ``psum``);
-    - otherwise, under a ``jax.set_mesh`` context with Explicit axes: both spaces replicated
-      on that mesh (what a vector created there is typed as);
-    - otherwise (no mesh, Auto axes): no sharding, as ``jax.eval_shape`` reports there.
-
-    Every sharding is normalised as ``jax.eval_shape`` (and so lineax) writes it.
-    """
-    mesh_axes = operator_mesh(op)
-    if mesh_axes is not None and _explicit(mesh_axes):
-        mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
-        row_sharded = rows and getattr(op, "out_sharding", "rows") == "rows"
-        sharding = NamedSharding(mesh, _spec_at(0, mesh_axes.names) if row_sharded else P())
-    else:
-        context = jax.sharding.get_abstract_mesh()
-        if mesh_axes is not None or not _any_explicit(context):
-            return structs
-        sharding = NamedSharding(context, P())
-    return jax.tree_util.tree_map(
-        lambda s: _normalised(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype, sharding=sharding)), structs
-    )
-
-
-def replicate(tree: Any, mesh_axes: MeshAxes) -> Any:
-    """On an Explicit mesh, ``tree`` resharded to replicated (an all-gather); else unchanged.
-
-    Outside the ``shard_map`` (``jax.sharding.reshard``), so that its derivative is the exact
-    transpose (a local slice) rather than a ``psum_scatter`` of replicated cotangents.
-    """
-    if not _explicit(mesh_axes):
-        return tree
-    return _conform(tree, jax.tree_util.tree_map(lambda _: P(), tree), mesh_axes)
-
-
-def _check_even(n: int, mesh_axes: MeshAxes) -> None:
-    if n % mesh_axes.n_shards:
-        raise ValueError(
-            f"RowOperator: the {n} rows are sharded over mesh axes {mesh_axes.names} of "
-            f"{mesh_axes.n_shards} devices, which does not divide them; pad the rows to a "
-            f"multiple of {mesh_axes.n_shards}."
-        )
-
-
-def sharded_apply(apply: Callable, spec: Any, consts: Any, rows: Any, x: Any, mesh_axes: MeshAxes) -> Any:
-    """``A x`` with each device computing its own rows: ``apply(spec, consts, local_rows, x)``.
-
-    Args:
-        apply: the single-device matvec ``apply(spec, consts, rows, x)``.
-        spec: the operator's static description.
-        consts: the arrays ``row_fn`` closes over (replicated on every device).
-        rows: the row pytree, sharded along axis 0 over ``mesh_axes``.
-        x: the input (replicated on every device).
-        mesh_axes: from :func:`row_mesh`.
-
-    Returns:
-        The rows of ``A x``, sharded along axis 0 like ``rows``.
-    """
-    names = mesh_axes.names
-    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
-    row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
-
-    def local(c: Any, r: Any, v: Any) -> Any:
-        with _inside_local():
-            return apply(spec, c, r, v)
-
-    consts, rows, x = (
-        _conform(consts, rep(consts), mesh_axes),
-        _conform(rows, row_specs, mesh_axes),
-        _conform(x, rep(x), mesh_axes),
-    )
-    return jax.shard_map(
-        local,
-        mesh=mesh_axes.mesh,
-        in_specs=(rep(consts), row_specs, rep(x)),
-        out_specs=_spec_at(0, names),
-        axis_names=set(names),
-        check_vma=False,
-    )(consts, rows, x)
-
-
-def sharded_apply_transpose(
-    apply_transpose: Callable, spec: Any, consts: Any, rows: Any, y: Any, mesh_axes: MeshAxes
-) -> Any:
-    """``A^T y``: each device transposes its own rows, then one ``psum`` over ``mesh_axes``.
-
-    Args:
-        apply_transpose: the single-device transpose ``apply_transpose(spec, consts, rows, y)``.
-        spec: the operator's static description.
-        consts: the arrays ``row_fn`` closes over (replicated on every device).
-        rows: the row pytree, sharded along axis 0 over ``mesh_axes``.
-        y: the output-space vector (its rows are resharded like ``rows`` if they are not).
-        mesh_axes: from :func:`row_mesh`.
-
-    Returns:
-        ``A^T y`` (x-space, replicated).
-    """
-    names = mesh_axes.names
-    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
-    row_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), rows)
-    y_specs = jax.tree_util.tree_map(lambda _: _spec_at(0, names), y)
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
-
-    def local(c: Any, r: Any, w: Any) -> Any:
-        with _inside_local():
-            part = apply_transpose(spec, c, r, w)
-        return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), part)
-
-    consts, rows, y = (
-        _conform(consts, rep(consts), mesh_axes),
-        _conform(rows, row_specs, mesh_axes),
-        _conform(y, y_specs, mesh_axes),
-    )
-    return jax.shard_map(
-        local,
-        mesh=mesh_axes.mesh,
-        in_specs=(rep(consts), row_specs, y_specs),
-        out_specs=P(),
-        axis_names=set(names),
-        check_vma=False,
-    )(consts, rows, y)
+    if name == "sharded_apply_transpose":
+        return functools.partial(_row_sharding.sharded_apply, transpose=True)
+    if name in _MOVED:
+        return getattr(_row_sharding, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
