@@ -115,7 +115,7 @@ def compile_all(wl: B.Workload, op: str, args: tuple) -> tuple[dict, dict]:
     for m in METHODS:
         jax.clear_caches()
         if m == "chunkop (no barrier)":
-            saved, _chunking.fusion_barrier = _chunking.fusion_barrier, lambda chunk: chunk
+            saved, _chunking.fusion_barrier = _chunking.fusion_barrier, lambda chunk, key=None: chunk
         try:
             t0 = time.perf_counter()
             c = jax.jit(functions(wl, m)[op]).lower(*B.structs(args)).compile()
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--forms", default=",".join(B.FORMS))
+    p.add_argument("--ops", default="|".join(OPS), help="'|'-separated subset of the ops (with --out elsewhere)")
     p.add_argument("--quick", action="store_true", help="n_los 32768, 5 repeats")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = p.parse_args(argv)
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         rows2 = jax.tree_util.tree_map(lambda p, q: jnp.stack([p, q]), d["rows"], d2["rows"])
         Y = jnp.stack([d["y"], d2["y"], -d["y"], 2 * d2["y"]])
         args = (d["rows"], d["x"], d["v"], d["y"], rows2, Y)
-        for op in OPS:
+        for op in [o for o in a.ops.split("|") if o]:
             execs, hlo = compile_all(wl, op, args)
             ref = execs["jax.vmap"](*args)
             t = B.time_round_robin(execs, {k: args for k in execs}, a.repeats, 600.0)
@@ -201,6 +202,8 @@ def markdown(res: dict) -> str:
     for form in res["forms"]:
         for op in OPS:
             e = {r["method"]: r for r in res["results"] if r["form"] == form and r["op"] == op}
+            if not e:  # (not run: --ops)
+                continue
             plain = e["jax.vmap"]["median_s"]
             cells = [
                 f"{1e3 * e[m]['median_s']:.1f} ms ({1e3 * e[m]['min_s']:.1f}) x{e[m]['median_s'] / plain:.2f}"

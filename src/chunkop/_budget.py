@@ -24,12 +24,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from . import _estimate
 from ._axes import check_chunk_size
 from ._cache import cached_plan
 from ._chunking import make_plan
+from ._loops import make_loop
 from ._memory import MODES, check_mode, default_budget, program_temp_bytes, throughput_cap
 from ._search import BudgetPlan, choose_chunk
 
@@ -43,7 +43,6 @@ __all__ = [
     "plan_mode",
     "enclosing_batch",
     "plan_traced",
-    "plan_call",
     "plan",
 ]
 
@@ -171,34 +170,36 @@ def unchunked_plan(n: int, memory_budget: int | None, leaves: Sequence[Any]) -> 
     return BudgetPlan(None, n, budget, plan_mode(leaves), None, 0, ())
 
 
-def plan_traced(wrapper: Any, traced: Any, spec: Any, mapped: list, n: int) -> BudgetPlan:
+def plan_traced(traced: Any, spec: Any, mapped: list, n: int, *, kind: str, memory_budget: int | None) -> BudgetPlan:
     """The (cached) plan of an ``"auto"`` transform, made on the program the call will run.
 
     The candidate programs are the chunk loop built from the call's traced ``fun`` (``traced``,
     a :class:`chunkop._trace.Traced`) at each probed chunk, compiled on the shapes of its
     constants and mapped inputs (``fun`` is not traced again, and no wrapper is re-entered).
-    The budget is ``wrapper.memory_budget`` (default: :func:`default_budget`) divided by the
-    batch of enclosing ``jax.vmap``s (:func:`enclosing_batch`).
+    The budget is ``memory_budget`` (default: :func:`default_budget`) divided by the batch of
+    enclosing ``jax.vmap``s (:func:`enclosing_batch`). The planner knows the program only as
+    "the loop of this kind at chunk c" (:func:`chunkop._loops.make_loop`).
 
     Args:
-        wrapper: the transform (its ``_loop``, ``memory_budget``, ``remat``, ``out_axes``).
         traced: ``fun`` traced on one example.
-        spec: the call's :class:`chunkop._vmap.LoopSpec` (its plan is replaced per probe).
-        mapped: the mapped argument leaves.
-        n: the size of the mapped axis.
+        spec: the call's :class:`chunkop._loops.LoopSpec` (its plan is replaced per probe).
+        mapped: the mapped argument leaves (arrays, tracers or ``jax.ShapeDtypeStruct``).
+        n: the size of the mapped axis (one device's shard of it when sharded).
+        kind: the loop's kind (``"stack"``, ``"sum"``, ``"mean"``).
+        memory_budget: the budget in bytes, or None for :func:`default_budget`.
 
     Returns:
         The :class:`BudgetPlan`; its ``chunk`` is None when the whole axis fits.
     """
     leaves = [*traced.consts, *mapped]
-    budget = wrapper.memory_budget if wrapper.memory_budget is not None else default_budget()
+    budget = memory_budget if memory_budget is not None else default_budget()
     budget = max(1, budget // enclosing_batch(leaves))
     mode = "forward" if traced.derivative_error else plan_mode(leaves)  # (it cannot be differentiated)
     k = len(traced.consts)
     probe_spec = spec._replace(progress=None)
 
     def temp_bytes(chunk: int) -> int:
-        loop = wrapper._loop(traced.jaxpr, traced.out_shapes, probe_spec._replace(plan=make_plan(n, min(chunk, n))))
+        loop = make_loop(kind, traced.jaxpr, traced.out_shapes, probe_spec._replace(plan=make_plan(n, min(chunk, n))))
         return program_temp_bytes(lambda *flat: loop(list(flat[:k]), list(flat[k:])), leaves, mode)
 
     def compute() -> BudgetPlan:
@@ -214,61 +215,13 @@ def plan_traced(wrapper: Any, traced: Any, spec: Any, mapped: list, n: int) -> B
     except Uncacheable:
         return compute()
     avals = tuple((tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) for x in leaves)
-    key = ("auto", type(wrapper).__name__, traced.key, avals, spec.axes, spec.out_axes, n, budget, mode, remat)
+    key = ("auto", kind, traced.key, avals, spec.axes, spec.out_axes, n, budget, mode, remat)
     key += (spec.spmd_axis_name, jax.default_backend())
     return cached_plan(key, compute)
 
 
-def plan_call(wrapper: Any, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int) -> BudgetPlan:
-    """The (cached) plan an ``"auto"`` wrapper makes for this call (what :func:`plan` reports):
-    the call's own pipeline up to the plan (``fun`` traced once, then :func:`plan_traced`)."""
-    del args, kwargs  # the flat leaves say it all
-    if n <= 1:
-        return unchunked_plan(n, wrapper.memory_budget, leaves)
-    wrapper._trace_and_plan(leaves, treedef, axes, n, "auto")
-    return wrapper.last_plan
-
-
 # ----------------------------------------------------------------------------------------------
 # chunkop.plan.
-
-
-def _plan_shard(f: Any, leaves: list, treedef: Any, axes: list, mesh_axes: Any, n_local: int) -> BudgetPlan:
-    """The plan a sharded call of ``f`` makes on each device: for its local shard.
-
-    A sharded call runs ``f`` inside a ``jax.shard_map`` on the traced local shards
-    (:func:`chunkop._sharding.call_sharded`), and plans there. The same is done here, under
-    ``jax.eval_shape`` (nothing runs), so that the plan, and what it caches, is the call's.
-    """
-    from . import _sharding
-
-    names = mesh_axes.names
-    dynamic = [_sharding._is_array(x) for x in leaves]
-    dyn = [x for x, d in zip(leaves, dynamic) if d]
-    specs = [_sharding._spec_at(a, names) if a is not None else P() for a, d in zip(axes, dynamic) if d]
-    found: list = []
-
-    def local(*d: Any) -> tuple:
-        it = iter(d)
-        full = [next(it) if is_dyn else x for x, is_dyn in zip(leaves, dynamic)]
-        a, k = jax.tree_util.tree_unflatten(treedef, full)
-        with _sharding._inside_local():
-            found.append(plan_call(f, a, k, full, treedef, axes, n_local))
-        return ()
-
-    def run(*d: Any) -> tuple:
-        d = _sharding._conform(list(d), specs, mesh_axes)
-        return jax.shard_map(
-            local,
-            mesh=mesh_axes.mesh,
-            in_specs=tuple(specs),
-            out_specs=(),
-            axis_names=set(mesh_axes.mesh.axis_names),
-            check_vma=False,
-        )(*d)
-
-    jax.eval_shape(run, *dyn)
-    return found[0]
 
 
 def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
@@ -298,9 +251,6 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
         >>> chunkop.plan(f, jnp.zeros(1000)).chunk is None  # the whole axis fits: no chunking
         True
     """
-    from . import _sharding
-    from ._axes import mapped_size
-
     target = getattr(f, "operator", f)
     if hasattr(target, "budget_plan") and hasattr(target, "rows"):
         if target.budget_plan is None:
@@ -309,23 +259,9 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
     if getattr(f, "chunk_size", None) == "auto" and hasattr(f, "jacobian_of"):  # chunkop.jacrev / jacfwd
         jax.eval_shape(functools.partial(f, **kwargs), *args)  # plans (cached) what a call would; runs nothing
         return f.last_plan
-    if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "_flat_arguments"):
+    if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "plan_for"):
         raise TypeError(
             f'chunkop.plan: expected a chunkop transform made with chunk_size="auto" (or such a '
             f"RowOperator), got {f!r}."
         )
-    leaves, treedef, axes, paths = f._flat_arguments(args, kwargs)
-    n = mapped_size(leaves, axes, paths, f.axis_size, f.where)
-    sharded = _sharding.mapped_mesh_axes(leaves, axes, f.where, f.spmd_axis_name)
-    if sharded is not None:  # each device plans for its own shard: so does this
-        shards = sharded.n_shards
-        if n % shards:
-            raise ValueError(
-                f"chunkop.plan: the mapped axis (size {n}) is sharded over mesh axes {sharded.names} of "
-                f"{shards} devices, which does not divide it; pad the inputs to a multiple of {shards}."
-            )
-        result = _plan_shard(f, leaves, treedef, axes, sharded, n // shards)._replace(shards=shards)
-    else:
-        result = plan_call(f, args, kwargs, leaves, treedef, axes, n)
-    f.last_plan = result
-    return result
+    return f.plan_for(args, kwargs)

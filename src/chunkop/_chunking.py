@@ -142,7 +142,7 @@ def _always_true(tree: Any) -> jax.Array | None:
     return None
 
 
-def fusion_barrier(chunk: Any) -> Any:
+def fusion_barrier(chunk: Any, key: jax.Array | None = None) -> Any:
     """A chunk's mapped operands, passed through a conditional XLA cannot remove (CPU only).
 
     Applied by the chunk loops to every chunk they read (not to a plan of one chunk, which reads
@@ -163,9 +163,12 @@ def fusion_barrier(chunk: Any) -> Any:
     ``lax.optimization_barrier`` on the computed weights (the previous barrier) is absent from
     XLA:CPU's optimized HLO, and a ``lax.cond`` passing the computed weights through two
     identical branches did not help (issue #16). Checked on the optimized HLO
-    (``tests/test_operator_fusion.py``). Under ``vmap`` with batched rows the predicate is
-    batched and JAX turns the conditional into a ``select``: no barrier there (the previous
-    speed). Other backends get no barrier until measured there.
+    (``tests/test_operator_fusion.py``). The scan's chunks pass ``key``, the chunk's index in
+    the scan, and the predicate is computed from it: under ``jax.vmap`` (an operator over sets
+    of rows) a predicate computed from the batched chunk would be batched, and JAX would turn
+    the conditional into a ``select``, which fuses (the literal transpose over two row sets ran
+    2.75x plain JAX); the index is never batched. The remainder chunk's predicate comes from its
+    data. Other backends get no barrier until measured there.
 
     The chunked transforms gate each chunk's mapped inputs the same way (:func:`stack_chunks`,
     :func:`sum_chunks`): ``jax.linear_transpose`` of ``chunkop.vmap`` of the literal row function
@@ -175,8 +178,8 @@ def fusion_barrier(chunk: Any) -> Any:
         return chunk
     leaves, tree = jax.tree_util.tree_flatten(chunk)
     gated = [i for i, a in enumerate(leaves) if _is_plain(a)]
-    pred = _always_true([leaves[i] for i in gated])
-    if pred is None:
+    pred = _always_true([leaves[i] for i in gated] if key is None else [key])
+    if pred is None or not gated:
         return chunk
     through = jax.lax.cond(
         pred, lambda ls: list(ls), lambda ls: [jnp.zeros_like(a) for a in ls], [leaves[i] for i in gated]
@@ -201,12 +204,14 @@ def _full_chunks(
     if plan.rem == 0 or remat is False:  # (without remat the residuals cost far more than a copy)
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
-        return xs, rematerialise(lambda chunk: chunk_fn(fusion_barrier(list(chunk)), plan.chunk), remat)
+        index = jnp.arange(plan.n_full, dtype=jnp.int32)  # (the barrier's predicate: never batched)
+        apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)
+        return (xs, index), rematerialise(apply, remat)
 
     def read_and_apply(i: jax.Array) -> Any:
         start = i * plan.chunk  # in bounds: start + chunk <= n_full * chunk < n, so no clamping
         chunk = [jax.lax.dynamic_slice_in_dim(x, start, plan.chunk, axis=0) for x in mapped]
-        return chunk_fn(fusion_barrier(chunk), plan.chunk)
+        return chunk_fn(fusion_barrier(chunk, key=i), plan.chunk)
 
     return jnp.arange(plan.n_full, dtype=jnp.int32), rematerialise(read_and_apply, remat)
 

@@ -2,120 +2,24 @@
 
 Only a running sum is carried, so neither the per-element outputs nor (with ``remat``) their
 residuals are ever held for the whole axis: the building block for full-batch losses and
-gradient accumulation over micro-batches.
+gradient accumulation over micro-batches. Both are a :class:`chunkop._transform.Chunked` of
+kind ``"sum"`` / ``"mean"``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-
-from ._chunking import Remat, accumulation_dtype, sum_chunks, widen
+from ._chunking import Remat
 from ._progress import Progress
-from ._vmap import LoopSpec, _chunk_vmap, _Chunked, _moved, _wrap
+from ._transform import chunked
 
 __all__ = ["sum", "mean"]
 
 
-def _result_dtype(reduce: Callable, dtype: Any) -> Any:
-    """The dtype ``reduce(o, 0)`` (``jnp.sum``/``jnp.mean``) gives for inputs of ``dtype``."""
-    return jax.eval_shape(lambda o: reduce(o, 0), jax.ShapeDtypeStruct((1,), dtype)).dtype
-
-
-def sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, *, divide: bool = False) -> Callable[[list, list], Any]:
-    """``(consts, mapped) -> sum`` (or mean) over the mapped axis of the traced function's outputs.
-
-    Chunk sums are accumulated in the dtype of the result (``jnp.sum``'s, or ``jnp.mean``'s:
-    a mean of integers is summed in floating point, as ``jnp.mean`` does, never in a wrapping
-    integer), widened to float32 for bfloat16/float16, and cast to the result's dtype at the end.
-    """
-    reduce = jnp.mean if divide else jnp.sum
-    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-    final = [_result_dtype(reduce, s.dtype) for s in out_leaves]
-    acc = [accumulation_dtype(d) for d in final]
-    plan = spec.plan
-
-    def loop(consts: list, mapped: list) -> Any:
-        wide = widen(consts)
-
-        def chunk_fn(chunk: list, m: int) -> list:
-            outs = _chunk_vmap(jaxpr, spec, wide, consts, 0, m)(*chunk)
-            return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
-
-        init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
-        total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
-        if divide:  # the totals are inexact (see above): divide in their own dtype
-            total = [t / jnp.asarray(plan.size, t.dtype) for t in total]
-        return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
-
-    return loop
-
-
-class _Summed(_Chunked):
-    where = "chunkop.sum"
-    shard_kind = "sum"
-    reduce = staticmethod(jnp.sum)
-    _loop = staticmethod(sum_loop)
-
-    def _unchunked(self, args: tuple, kwargs: dict) -> Any:
-        outs = jax.vmap(
-            self.fun,
-            in_axes=self.in_axes,
-            axis_name=self.axis_name,
-            axis_size=self.axis_size,
-            spmd_axis_name=self.spmd_axis_name,
-        )(*args, **kwargs)
-        return jax.tree_util.tree_map(lambda o: self.reduce(o, axis=0), outs)
-
-    def _join(self, chunk_outs: list, out_shapes: Any, n: int) -> Any:
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-        totals = []
-        for k, s in enumerate(out_leaves):
-            final = _result_dtype(self.reduce, s.dtype)
-            acc = accumulation_dtype(final)
-            total = sum(jnp.sum(c[k], axis=0, dtype=acc) for c in chunk_outs)
-            if self.reduce is jnp.mean:
-                total = total / jnp.asarray(n, acc)
-            totals.append(total.astype(final))
-        return jax.tree_util.tree_unflatten(out_tree, totals)
-
-
-class _Averaged(_Summed):
-    where = "chunkop.mean"
-    shard_kind = "mean"
-    reduce = staticmethod(jnp.mean)
-    _loop = staticmethod(functools.partial(sum_loop, divide=True))
-
-
-def _make(
-    cls: type,
-    fun: Callable,
-    in_axes: Any,
-    chunk_size: int | None,
-    axis_size: int | None,
-    remat: Remat,
-    progress: Progress = None,
-    memory_budget: int | None = None,
-    spmd_axis_name: Any = None,
-) -> Callable:
-    return _wrap(
-        fun,
-        cls(
-            fun,
-            in_axes,
-            chunk_size=chunk_size,
-            axis_name=None,
-            axis_size=axis_size,
-            spmd_axis_name=spmd_axis_name,
-            remat=remat,
-            progress=progress,
-            memory_budget=memory_budget,
-        ),
-    )
+def _make(kind: str, fun: Callable, in_axes: Any, **kw: Any) -> Callable:
+    return chunked(fun, in_axes, kind=kind, where=f"chunkop.{kind}", **kw)
 
 
 def sum(  # noqa: A001
@@ -158,7 +62,17 @@ def sum(  # noqa: A001
         >>> jax.grad(loss)(jnp.ones(3), jnp.ones((10, 3)))
         Array([60., 60., 60.], dtype=float32)
     """
-    return _make(_Summed, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget, spmd_axis_name)
+    return _make(
+        "sum",
+        fun,
+        in_axes,
+        chunk_size=chunk_size,
+        axis_size=axis_size,
+        remat=remat,
+        progress=progress,
+        memory_budget=memory_budget,
+        spmd_axis_name=spmd_axis_name,
+    )
 
 
 def mean(
@@ -193,4 +107,14 @@ def mean(
         >>> chunkop.mean(jnp.sin, chunk_size=4)(jnp.zeros(10))
         Array(0., dtype=float32)
     """
-    return _make(_Averaged, fun, in_axes, chunk_size, axis_size, remat, progress, memory_budget, spmd_axis_name)
+    return _make(
+        "mean",
+        fun,
+        in_axes,
+        chunk_size=chunk_size,
+        axis_size=axis_size,
+        remat=remat,
+        progress=progress,
+        memory_budget=memory_budget,
+        spmd_axis_name=spmd_axis_name,
+    )

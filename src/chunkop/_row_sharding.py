@@ -28,8 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cache import register_cache
-from ._sharding import _LOCAL, MeshAxes, _conform, _explicit, _inside_local, mapped_mesh_axes
-from ._sharding import _spec_at as spec_at
+from ._sharding import _LOCAL, MeshAxes, _conform, _explicit, _inside_local, mapped_mesh_axes, spec_at
 
 __all__ = [
     "row_mesh",

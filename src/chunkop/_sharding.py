@@ -16,13 +16,13 @@ carry no sharding, so there is nothing to detect: use an Explicit mesh (``jax.ma
 default) or call outside ``jit`` with sharded arrays.
 
 The row-sharded kernels of :class:`chunkop.RowOperator` are in :mod:`chunkop._row_sharding`;
-they use this module's :class:`MeshAxes` and its resharding to a ``shard_map``'s specs.
+they use this module's :class:`MeshAxes` and its resharding to a ``shard_map``'s specs. The
+``shard_map`` of the chunked transforms is built by :class:`chunkop._transform.Chunked`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 from collections.abc import Sequence
@@ -32,12 +32,10 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._axes import flat_out_axes
-
 __all__ = [
     "MeshAxes",
     "mapped_mesh_axes",
-    "call_sharded",
+    "spec_at",
 ]
 
 
@@ -56,20 +54,15 @@ _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def _inside_local(global_size: int | None = None):
-    """While tracing a device-local body: no further sharding dispatch (the shards are local);
-    ``global_size`` is the whole mapped axis' size, what axis-size queries must give there."""
-    prev = getattr(_LOCAL, "active", False), getattr(_LOCAL, "global_size", None)
-    _LOCAL.active, _LOCAL.global_size = True, global_size
+def _inside_local():
+    """While tracing a device-local body (a sharded operator's kernel): no further sharding
+    dispatch of the transforms it calls (their inputs are that device's shards)."""
+    prev = getattr(_LOCAL, "active", False)
+    _LOCAL.active = True
     try:
         yield
     finally:
-        _LOCAL.active, _LOCAL.global_size = prev
-
-
-def local_global_size() -> int | None:
-    """Inside a device-local body of a sharded call: the size of the whole mapped axis."""
-    return getattr(_LOCAL, "global_size", None) if getattr(_LOCAL, "active", False) else None
+        _LOCAL.active = prev
 
 
 def _sharding_of(x: Any) -> NamedSharding | None:
@@ -150,149 +143,9 @@ def mapped_mesh_axes(
     return found
 
 
-def _spec_at(axis: int, names: tuple) -> P:
+def spec_at(axis: int, names: tuple) -> P:
+    """The spec sharding an array's ``axis`` over the mesh axes ``names``."""
     return P(*([None] * axis), names if len(names) > 1 else names[0])
-
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) or (hasattr(x, "shape") and hasattr(x, "dtype"))
-
-
-def call_sharded(
-    wrapper: Any,
-    kind: str,
-    leaves: list,
-    treedef: Any,
-    axes: list,
-    n: int,
-    mesh_axes: MeshAxes,
-) -> Any:
-    """Run ``wrapper`` (a chunked transform) on each device's shard of the mapped axis.
-
-    Args:
-        wrapper: the chunked callable; called on the local shards inside ``jax.shard_map``.
-        kind: ``"stack"`` (vmap/map: outputs along the mapped axis), ``"sum"`` or ``"mean"``.
-        leaves, treedef, axes: the flat arguments, their structure and mapped axes.
-        n: the size of the mapped axis.
-        mesh_axes: what :func:`mapped_mesh_axes` found.
-
-    Returns:
-        ``wrapper(*args, **kwargs)``, with stacked outputs sharded along the mapped axis.
-    """
-    where = getattr(wrapper, "where", "chunkop")
-    _, names = mesh_axes
-    shards = mesh_axes.n_shards
-    if n % shards:
-        raise ValueError(
-            f"{where}: the mapped axis (size {n}) is sharded over mesh axes {names} of "
-            f"{shards} devices, which does not divide it; pad the inputs to a multiple of "
-            f"{shards} or shard them evenly."
-        )
-    axis_name = getattr(wrapper, "axis_name", None)
-    if axis_name is not None and _refuse_collectives(wrapper, leaves, treedef, axes, n, mesh_axes):
-        # "auto" with a collective runs unchunked, as when not sharded: exactly jax.vmap
-        args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        return wrapper._unchunked(args, kwargs)
-    dynamic = [_is_array(x) for x in leaves]
-    static = tuple((i, x) for i, (x, d) in enumerate(zip(leaves, dynamic)) if not d)
-    dyn = [x for x, d in zip(leaves, dynamic) if d]
-    shapes = tuple((tuple(x.shape), x.dtype) for x in dyn)
-    # Not cached by the wrapper: as the unsharded path, ``fun`` is traced on every call (the
-    # chunk loop inside is what is cached). Under an enclosing ``jax.jit`` this is staged once.
-    specs = [_spec_at(a, mesh_axes.names) if a is not None else P() for a, d in zip(axes, dynamic) if d]
-    dyn = [_conform(x, spec, mesh_axes) for x, spec in zip(dyn, specs)]
-    return _build(wrapper, kind, treedef, axes, static, shapes, mesh_axes, n)(*dyn)
-
-
-def _refuse_collectives(wrapper: Any, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: MeshAxes) -> bool:
-    """A collective over ``axis_name`` would see one device's shard only: refuse it (True: it is
-    there, and ``chunk_size="auto"`` runs unchunked instead, as it does without sharding)."""
-    from ._trace import trace_example
-
-    try:
-        trace_example(
-            wrapper.fun,
-            leaves,
-            treedef,
-            axes,
-            n,
-            axis_name=wrapper.axis_name,
-            chunk_size=n // mesh_axes.n_shards,
-            remat=False,
-            where=wrapper.where,
-        )
-    except ValueError as e:
-        if "collective" not in str(e):
-            raise
-        if wrapper.chunk_size == "auto":
-            return True
-        used = str(e).split("`fun` uses ", 1)[-1].split(",", 1)[0]  # "the collective `psum` over axis_name='i'"
-        raise ValueError(
-            f"{wrapper.where}: `fun` uses {used}, but the mapped inputs are sharded over mesh axes "
-            f"{mesh_axes.names}, so each device would see only its own shard "
-            f"({n // mesh_axes.n_shards} of {n}) and, with chunk_size={wrapper.chunk_size}, only a "
-            f"chunk of it: a silently wrong result. Use chunk_size=None (exactly jax.vmap), "
-            f"replicate the inputs, or compute the reduction with chunkop.sum."
-        ) from None
-    return False
-
-
-def _build(
-    wrapper: Any, kind: str, treedef: Any, axes: list, static: tuple, shapes: tuple, mesh_axes: MeshAxes, n: int
-):
-    """The ``shard_map`` of ``wrapper`` over the dynamic (array) leaves (``n``: the whole axis)."""
-    where = getattr(wrapper, "where", "chunkop")
-    mesh, names = mesh_axes
-    n_leaves = len(axes)
-    static_at = dict(static)
-    dyn_idx = [i for i in range(n_leaves) if i not in static_at]
-    in_specs = tuple(_spec_at(axes[i], names) if axes[i] is not None else P() for i in dyn_idx)
-
-    def full_leaves(d: Sequence[Any]) -> list:
-        full: list = [None] * n_leaves
-        for i, v in static_at.items():
-            full[i] = v
-        for i, v in zip(dyn_idx, d):
-            full[i] = v
-        return full
-
-    def call_local(*d: Any) -> Any:
-        a, k = jax.tree_util.tree_unflatten(treedef, full_leaves(d))
-        with _inside_local(n):
-            return wrapper(*a, **k)
-
-    if kind == "stack":
-        examples = [
-            jax.ShapeDtypeStruct(tuple(s for j, s in enumerate(shape) if j != axes[i]), dtype)
-            if axes[i] is not None
-            else jax.ShapeDtypeStruct(shape, dtype)
-            for i, (shape, dtype) in zip(dyn_idx, shapes)
-        ]
-
-        def one(*ex: Any) -> Any:
-            a, k = jax.tree_util.tree_unflatten(treedef, full_leaves(ex))
-            return wrapper.fun(*a, **k)
-
-        axis_name = getattr(wrapper, "axis_name", None)
-        env = [(axis_name, n)] if axis_name is not None else []  # axis-size queries give the whole axis
-        per_example = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*examples)[1]
-        oaxes = flat_out_axes(wrapper.out_axes, per_example, where)
-        out_specs = jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(per_example), [P() if a is None else _spec_at(a, names) for a in oaxes]
-        )
-        body = call_local
-    else:
-        out_specs = P()
-        reduce = jax.lax.psum if kind == "sum" else jax.lax.pmean
-
-        def body(*d: Any) -> Any:
-            return jax.tree_util.tree_map(lambda o: reduce(o, names), call_local(*d))
-
-    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
-    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
-    return jax.shard_map(
-        body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(mesh.axis_names), check_vma=False
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,18 +188,3 @@ def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
         return jax.sharding.reshard(x, NamedSharding(mesh_axes.mesh, spec))
 
     return jax.tree_util.tree_map(fix, tree, specs)
-
-
-_MOVED = ("row_mesh", "operator_mesh", "spec_context", "with_sharding", "sharded_apply", "replicate")
-
-
-def __getattr__(name: str) -> Any:
-    """The row-sharded kernels moved to :mod:`chunkop._row_sharding`: forwarded there for now
-    (``sharded_apply_transpose`` is now ``sharded_apply(..., transpose=True)``)."""
-    from . import _row_sharding
-
-    if name == "sharded_apply_transpose":
-        return functools.partial(_row_sharding.sharded_apply, transpose=True)
-    if name in _MOVED:
-        return getattr(_row_sharding, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,162 @@
+"""The compiled chunk loops: ``(consts, mapped) -> result`` for each kind of chunked transform.
+
+A loop is built from the traced jaxpr (:func:`chunkop._trace.trace_example`) and static settings
+only (:class:`LoopSpec`), never from the wrapper that holds the user's function, so a cached loop
+keeps no user function alive. Three kinds:
+
+- ``"stack"`` (``chunkop.vmap`` / ``map``): per-element outputs stacked at their ``out_axes``;
+- ``"sum"`` / ``"mean"`` (``chunkop.sum`` / ``mean``): a running sum over the chunks, in the
+  dtype of ``jnp.sum``'s (``jnp.mean``'s) result, widened to float32 for half precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunks, sum_chunks, widen
+from ._progress import Progress
+from ._trace import eval_traced
+
+__all__ = ["KINDS", "LoopSpec", "make_loop", "refusing_derivatives", "result_dtype"]
+
+#: The kinds of chunked transform: how chunk outputs combine.
+KINDS = ("stack", "sum", "mean")
+
+
+class LoopSpec(NamedTuple):
+    """Everything static about one chunk loop besides the jaxpr (hashable: part of its key)."""
+
+    axes: tuple  # the mapped axis of each mapped leaf
+    plan: ChunkPlan
+    remat: Remat
+    spmd_axis_name: Any
+    out_axes: tuple  # flat, one per output leaf (stacking loops only)
+    progress: Progress = None
+
+
+def result_dtype(kind: str, dtype: Any) -> Any:
+    """The dtype a ``"sum"``/``"mean"`` of outputs of ``dtype`` has (``jnp.sum``'s / ``jnp.mean``'s)."""
+    reduce = jnp.mean if kind == "mean" else jnp.sum
+    return jax.eval_shape(lambda o: reduce(o, 0), jax.ShapeDtypeStruct((1,), dtype)).dtype
+
+
+def _chunk_vmap(jaxpr: Any, spec: LoopSpec, wide: list, consts: list, out_axes: Any, m: int) -> Callable:
+    """One chunk of ``m`` examples: ``jax.vmap`` of the traced jaxpr (constants unmapped, given
+    widened as ``wide`` and narrowed back to the dtypes of ``consts``)."""
+
+    def one(*example: Any) -> tuple:
+        return tuple(eval_traced(jaxpr, narrow(wide, consts), *example))
+
+    return jax.vmap(one, in_axes=0, out_axes=out_axes, axis_size=m, spmd_axis_name=spec.spmd_axis_name)
+
+
+def _moved(mapped: list, axes: tuple) -> list:
+    return [jnp.moveaxis(x, a, 0) if a else x for x, a in zip(mapped, axes)]
+
+
+def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+    oaxes = list(spec.out_axes)
+    stacked = [k for k, a in enumerate(oaxes) if a is not None]
+    carried = [k for k, a in enumerate(oaxes) if a is None]
+    plan = spec.plan
+
+    def loop(consts: list, mapped: list) -> Any:
+        wide = widen(consts)
+
+        def chunk_fn(chunk: list, m: int) -> tuple[list, list]:
+            outs = _chunk_vmap(jaxpr, spec, wide, consts, tuple(oaxes), m)(*chunk)
+            return [outs[k] for k in stacked], [outs[k] for k in carried]
+
+        ys_full, ys_rem, zs = stack_chunks(
+            chunk_fn,
+            _moved(mapped, spec.axes),
+            plan,
+            spec.remat,
+            [out_leaves[k] for k in carried],
+            progress=spec.progress,
+        )
+        result: list[Any] = [None] * len(out_leaves)
+        for j, k in enumerate(stacked):
+            a = oaxes[k]
+            y = jnp.moveaxis(ys_full[j], 0, a)  # (..., n_full, chunk, ...)
+            y = y.reshape(y.shape[:a] + (plan.n_full * plan.chunk,) + y.shape[a + 2 :])
+            if ys_rem is not None:
+                y = jnp.concatenate([y, ys_rem[j]], axis=a)
+            result[k] = y
+        for j, k in enumerate(carried):
+            result[k] = zs[j]
+        return jax.tree_util.tree_unflatten(out_tree, result)
+
+    return loop
+
+
+def _sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callable[[list, list], Any]:
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+    final = [result_dtype(kind, s.dtype) for s in out_leaves]
+    acc = [accumulation_dtype(d) for d in final]
+    plan = spec.plan
+
+    def loop(consts: list, mapped: list) -> Any:
+        wide = widen(consts)
+
+        def chunk_fn(chunk: list, m: int) -> list:
+            outs = _chunk_vmap(jaxpr, spec, wide, consts, 0, m)(*chunk)
+            return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
+
+        init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
+        total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
+        if kind == "mean":  # the totals are inexact (see result_dtype): divide in their own dtype
+            total = [t / jnp.asarray(plan.size, t.dtype) for t in total]
+        return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
+
+    return loop
+
+
+def make_loop(kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:
+    """The chunk loop ``(consts, mapped_leaves) -> result`` of one kind of transform.
+
+    Args:
+        kind: ``"stack"`` (outputs stacked over chunks at ``spec.out_axes``), ``"sum"`` or
+            ``"mean"`` (over the mapped axis, accumulated chunk by chunk; a mean of integers is
+            summed in floating point, as ``jnp.mean`` does, never in a wrapping integer).
+        jaxpr: ``fun`` traced on one example (its constvars: ``consts``; invars: one example of
+            each mapped leaf).
+        out_shapes: ``fun``'s per-example output structure (``jax.ShapeDtypeStruct`` leaves).
+        spec: the loop's static settings (chunk plan, remat, progress ...).
+
+    Returns:
+        The loop, a pure function of the constants' and the mapped leaves' values.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from chunkop._chunking import make_plan
+        >>> from chunkop._loops import LoopSpec, make_loop
+        >>> closed = jax.make_jaxpr(lambda x: 2 * x)(jnp.float32(0))
+        >>> spec = LoopSpec(axes=(0,), plan=make_plan(6, 4), remat=True, spmd_axis_name=None, out_axes=())
+        >>> make_loop("sum", closed.jaxpr, jax.ShapeDtypeStruct((), jnp.float32), spec)([], [jnp.ones(6)])
+        Array(12., dtype=float32)
+    """
+    if kind == "stack":
+        return _stack_loop(jaxpr, out_shapes, spec)
+    if kind in ("sum", "mean"):
+        return _sum_loop(jaxpr, out_shapes, spec, kind)
+    raise ValueError(f"make_loop: `kind` must be one of {KINDS}, got {kind!r}.")
+
+
+def refusing_derivatives(loop: Callable, message: str) -> Callable:
+    """``loop`` unchanged forward; its JVP (so any derivative through it) raises ``message``."""
+
+    @jax.custom_jvp
+    def guarded(consts: list, mapped: list) -> Any:
+        return loop(consts, mapped)
+
+    @guarded.defjvp
+    def _(primals: tuple, tangents: tuple) -> Any:
+        raise ValueError(message)
+
+    return guarded

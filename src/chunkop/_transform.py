@@ -1,0 +1,420 @@
+"""The one chunked transform behind ``chunkop.vmap``, ``map``, ``sum`` and ``mean``.
+
+:class:`Chunked` maps ``fun`` over an axis in chunks; its ``kind`` (see :data:`chunkop._loops.KINDS`)
+says how the chunk outputs combine. Every call goes through one pipeline, each stage once:
+
+1. the arguments are checked (``in_axes`` against the call, the mapped axis' size);
+2. ``chunk_size=None`` (or ``>= n``) is exactly ``jax.vmap`` (sharded inputs and collectives
+   included);
+3. ``fun`` is traced once, on one example (:func:`chunkop._trace.trace_example`);
+4. the plan is made as data: the chunk (from the budget for ``"auto"``, on that trace), the
+   sharding (each device chunks its own shard), the progress setting (:class:`LoopSpec`);
+5. one compiled loop runs (:func:`chunkop._loops.make_loop`, cached by what was traced).
+
+No stage calls back into an earlier one: with sharded inputs the same trace is run, inside one
+``jax.shard_map``, by a loop planned for each device's shard; the wrapper is never re-entered.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from . import _budget, _sharding
+from ._axes import (
+    check_axis_size,
+    check_in_axes_spec,
+    check_out_axes_spec,
+    check_remat,
+    flat_in_axes,
+    flat_out_axes,
+    mapped_size,
+    replace_at,
+)
+from ._cache import Uncacheable, cached, setting_key
+from ._chunking import Remat, accumulation_dtype, make_plan
+from ._loops import KINDS, LoopSpec, make_loop, refusing_derivatives, result_dtype
+from ._progress import Progress, check_progress
+from ._trace import Traced, trace_example
+
+__all__ = ["Chunked", "chunked"]
+
+
+class Chunked:
+    """``fun`` mapped over an axis in chunks; ``kind`` says how the chunk outputs combine.
+
+    Attributes:
+        kind: ``"stack"`` (``jax.vmap``'s outputs), ``"sum"`` or ``"mean"`` over the mapped axis.
+        where: the public name, for messages (``"chunkop.vmap"`` ...).
+        last_plan: the :class:`chunkop.BudgetPlan` of the last ``chunk_size="auto"`` call.
+    """
+
+    def __init__(
+        self,
+        fun: Callable,
+        in_axes: Any,
+        out_axes: Any = 0,
+        *,
+        kind: str,
+        where: str,
+        chunk_size: int | str | None,
+        axis_name: Hashable | None = None,
+        axis_size: int | None = None,
+        spmd_axis_name: Any = None,
+        remat: Remat = True,
+        progress: Progress = None,
+        memory_budget: int | None = None,
+        arg_names: tuple[str, ...] = (),
+    ) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"chunkop: `kind` must be one of {KINDS}, got {kind!r}.")
+        if not callable(fun):
+            raise TypeError(f"{where}: `fun` must be callable, got {fun!r}.")
+        self.fun, self.kind, self.where, self.arg_names = fun, kind, where, arg_names
+        self.in_axes = check_in_axes_spec(in_axes, where)
+        self.out_axes = check_out_axes_spec(out_axes, where) if kind == "stack" else 0
+        self.chunk_size = _budget.check_chunk_size_or_auto(chunk_size, where=where)
+        self.memory_budget = _budget.check_memory_budget(memory_budget, where)
+        _budget.check_budget_needs_auto(self.chunk_size, self.memory_budget, where)
+        self.last_plan: _budget.BudgetPlan | None = None
+        self.axis_name = axis_name
+        self.axis_size = check_axis_size(axis_size, where)
+        self.spmd_axis_name = spmd_axis_name
+        self.remat = check_remat(remat, where)
+        self.progress = check_progress(progress, where)
+
+    # -- stage 1: checks -------------------------------------------------------------------------
+    def _flat_arguments(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
+        return flat_in_axes(self.in_axes, args, kwargs, self.where, arg_names=self.arg_names)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
+        n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
+        chunk = self.chunk_size
+        # -- stage 2: no chunking is exactly jax.vmap
+        if chunk is None or (chunk != "auto" and n <= chunk):
+            return self._unchunked(args, kwargs)
+        sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
+        if sharded is not None:
+            return self._call_sharded(args, kwargs, leaves, treedef, axes, n, sharded)
+        if chunk == "auto" and n <= 1:
+            return self._unchunked(args, kwargs)
+        # -- stage 3: fun traced once
+        traced = self._trace(leaves, treedef, axes, n)
+        if traced is None:  # "auto" with a collective over axis_name: unchunked, as jax.vmap
+            return self._unchunked(args, kwargs)
+        mapped = [leaves[i] for i, a in enumerate(axes) if a is not None]
+        # -- stage 4: the plan, as data
+        spec = self._plan(traced, axes, n, mapped)
+        if not traced.stageable:
+            if self.axis_name is not None:  # unrolled chunks would each see their own axis size
+                return self._unchunked(args, kwargs)
+            return self._unstaged(leaves, treedef, axes, n, spec.plan.chunk, traced.out_shapes)
+        # -- stage 5: one compiled loop
+        return self._passed_through(self._run(traced, spec, traced.consts, mapped), traced)
+
+    # -- stage 3 ---------------------------------------------------------------------------------
+    def _trace(
+        self, leaves: list, treedef: Any, axes: list, n: int, shards: int = 1, names: tuple = ()
+    ) -> Traced | None:
+        """``fun`` traced once on one example; None when ``"auto"`` meets a collective over
+        ``axis_name`` (the call then runs unchunked, as ``jax.vmap``). ``shards``: the number
+        of devices the mapped axis is sharded over (each chunks ``n / shards``)."""
+        chunk = self.chunk_size
+        local = n // shards
+        try:
+            return trace_example(
+                self.fun,
+                leaves,
+                treedef,
+                axes,
+                local,
+                axis_name=self.axis_name,
+                chunk_size=local - 1 if chunk == "auto" else min(chunk, local),
+                remat=self.remat,
+                where=self.where,
+                axis_env_size=n,
+            )
+        except ValueError as e:
+            if self.axis_name is None or "collective" not in str(e):
+                raise
+            if chunk == "auto":  # chunks would each see part of the axis: unchunked instead
+                self.last_plan = _budget.unchunked_plan(n, self.memory_budget, leaves)
+                return None
+            if shards == 1:
+                raise
+            used = str(e).split("`fun` uses ", 1)[-1].split(",", 1)[0]
+            raise ValueError(
+                f"{self.where}: `fun` uses {used}, but the mapped inputs are sharded over mesh axes "
+                f"{names} of {shards} devices, so each device would see only its own shard ({local} of "
+                f"{n}) and, with "
+                f"chunk_size={chunk}, only a chunk of it: a silently wrong result. Use "
+                f"chunk_size=None (exactly jax.vmap), replicate the inputs, or compute the "
+                f"reduction with chunkop.sum."
+            ) from None
+
+    # -- stage 4 ---------------------------------------------------------------------------------
+    def _plan(self, traced: Traced, axes: list, n: int, mapped: list, shards: int = 1) -> LoopSpec:
+        """The loop's spec for an axis of ``n`` (one device's shard when ``shards > 1``). For
+        ``"auto"`` the chunk is planned on the traced program (``self.last_plan``); a plan that
+        fits the whole axis is one chunk without remat or progress."""
+        chunk = self.chunk_size
+        spec = LoopSpec(
+            axes=tuple(a for a in axes if a is not None),
+            plan=make_plan(n, n if chunk == "auto" else min(chunk, n)),
+            remat=self.remat,
+            spmd_axis_name=self.spmd_axis_name,
+            out_axes=self._flat_out_axes(traced.out_shapes),
+            progress=self.progress,
+        )
+        if chunk == "auto":
+            plan = _budget.plan_traced(traced, spec, mapped, n, kind=self.kind, memory_budget=self.memory_budget)
+            self.last_plan = plan._replace(shards=shards) if shards > 1 else plan
+            spec = spec._replace(plan=make_plan(n, plan.chunk or n))
+        if spec.plan.n_full == 1 and not spec.plan.rem:  # the whole axis (or shard) in one chunk: as jax.vmap
+            spec = spec._replace(remat=False, progress=None)
+        return spec
+
+    def plan_for(self, args: tuple, kwargs: dict) -> _budget.BudgetPlan:
+        """The ``"auto"`` plan a call with these arguments makes (``chunkop.plan``): stages 1-4,
+        nothing compiled but the planner's probes (also cached for the call). With sharded
+        inputs, the plan each device makes for its shard (under ``jax.eval_shape``)."""
+        leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
+        n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
+        if n <= 1:
+            self.last_plan = _budget.unchunked_plan(n, self.memory_budget, leaves)
+            return self.last_plan
+        sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
+        if sharded is not None:
+            try:
+                jax.eval_shape(
+                    lambda *d: self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)(*d),
+                    *self._sharded_inputs(leaves, axes, sharded)[1],
+                )
+            except _Fallback:
+                pass  # a collective over axis_name: unchunked (last_plan says so)
+            return self.last_plan
+        traced = self._trace(leaves, treedef, axes, n)
+        if traced is not None:
+            self._plan(traced, axes, n, [leaves[i] for i, a in enumerate(axes) if a is not None])
+        return self.last_plan
+
+    def _flat_out_axes(self, out_shapes: Any) -> tuple:
+        return tuple(flat_out_axes(self.out_axes, out_shapes, self.where)) if self.kind == "stack" else ()
+
+    # -- stage 5 ---------------------------------------------------------------------------------
+    def _run(self, traced: Traced, spec: LoopSpec, consts: list, mapped: list) -> Any:
+        make = functools.partial(make_loop, self.kind, traced.jaxpr, traced.out_shapes, spec)
+        loop = make() if traced.key is None else _cached_loop(self.kind, traced.key, spec, make)
+        if traced.derivative_error is not None:
+            loop = refusing_derivatives(loop, traced.derivative_error)
+        return loop(consts, mapped)
+
+    def _passed_through(self, out: Any, traced: Traced) -> Any:
+        """An unmapped output that is one of ``fun``'s unmapped inputs unchanged (a constant of
+        the trace, ``out_axes=None``) is returned as that very array, as ``jax.vmap`` does:
+        not a copy made by the loop."""
+        if self.kind != "stack":
+            return out
+        consts = {id(v): c for v, c in zip(traced.jaxpr.constvars, traced.consts)}
+        leaves, tree = jax.tree_util.tree_flatten(out)
+        oaxes = self._flat_out_axes(traced.out_shapes)
+        for k, (v, a) in enumerate(zip(traced.jaxpr.outvars, oaxes)):
+            if a is None and id(v) in consts and isinstance(consts[id(v)], jax.Array):
+                leaves[k] = consts[id(v)]
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    # -- sharded inputs: the same stages, the loop run on each device's shard ----------------------
+    def _check_even(self, n: int, mesh_axes: _sharding.MeshAxes) -> int:
+        shards = mesh_axes.n_shards
+        if n % shards:
+            raise ValueError(
+                f"{self.where}: the mapped axis (size {n}) is sharded over mesh axes {mesh_axes.names} "
+                f"of {shards} devices, which does not divide it; pad the inputs to a multiple of "
+                f"{shards} or shard them evenly."
+            )
+        return shards
+
+    def _sharded_inputs(self, leaves: list, axes: list, mesh_axes: Any) -> tuple[list, list, list]:
+        """The array leaves a ``shard_map`` takes (mapped ones split along their axis, the
+        others replicated): their positions, values and specs. Other leaves (Python numbers,
+        strings ...) reach ``fun`` as themselves."""
+        at = [
+            i for i, x in enumerate(leaves) if isinstance(x, jax.Array) or (hasattr(x, "shape") and hasattr(x, "dtype"))
+        ]
+        specs = [P() if axes[i] is None else _sharding.spec_at(axes[i], mesh_axes.names) for i in at]
+        return at, _sharding._conform([leaves[i] for i in at], specs, mesh_axes), specs
+
+    def _shard_mapped(
+        self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any, plan_only: bool = False
+    ) -> Callable:
+        """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard: ``fun``
+        traced once there (axis-size queries give the whole axis), the plan made for the
+        shard, one loop. Sums and means are combined over the devices (``psum``/``pmean``);
+        stacked outputs come back along the mapped axis. Raises :class:`_Fallback` while
+        tracing when the call must run without ``shard_map`` (see there)."""
+        shards = self._check_even(n, mesh_axes)
+        names = mesh_axes.names
+        at, _, specs = self._sharded_inputs(leaves, axes, mesh_axes)
+        mapped_at = [i for i, a in enumerate(axes) if a is not None]
+        found: dict = {}
+
+        def body(*d: Any) -> Any:
+            local = replace_at(leaves, at, d)
+            traced = self._trace(local, treedef, axes, n, shards, names)
+            if traced is None or not traced.stageable:
+                raise _Fallback(traced)
+            mapped = [local[i] for i in mapped_at]
+            spec = self._plan(traced, axes, n // shards, mapped, shards)
+            if plan_only:
+                return ()
+            out = self._run(traced, spec, traced.consts, mapped)
+            if self.kind != "stack":
+                combine = jax.lax.psum if self.kind == "sum" else jax.lax.pmean
+                return jax.tree_util.tree_map(lambda o: combine(o, names), out)
+            outs, found["tree"] = jax.tree_util.tree_flatten(out)
+            found["oaxes"] = spec.out_axes
+            stacked = [jnp.moveaxis(o, a, 0) for o, a in zip(outs, spec.out_axes) if a is not None]
+            return stacked, [o for o, a in zip(outs, spec.out_axes) if a is None]
+
+        if plan_only:
+            out_specs: Any = ()
+        elif self.kind == "stack":  # (along the mapped axis, moved to the front; unmapped: replicated)
+            out_specs = (_sharding.spec_at(0, names), P())
+        else:
+            out_specs = P()
+        # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
+        # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
+        mapped_fn = jax.shard_map(
+            body,
+            mesh=mesh_axes.mesh,
+            in_specs=tuple(specs),
+            out_specs=out_specs,
+            axis_names=set(mesh_axes.mesh.axis_names),
+            check_vma=False,
+        )
+
+        def call(*d: Any) -> Any:
+            out = mapped_fn(*d)
+            if plan_only or self.kind != "stack":
+                return out
+            stacked, unmapped = iter(out[0]), iter(out[1])
+            flat = [next(unmapped) if a is None else jnp.moveaxis(next(stacked), 0, a) for a in found["oaxes"]]
+            return jax.tree_util.tree_unflatten(found["tree"], flat)
+
+        return call
+
+    def _call_sharded(
+        self, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any
+    ) -> Any:
+        """Each device chunks its own shard of the mapped axis (see :meth:`_shard_mapped`)."""
+        call = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
+        try:
+            return call(*self._sharded_inputs(leaves, axes, mesh_axes)[1])
+        except _Fallback as e:
+            traced = e.args[0]
+        if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
+            return self._unchunked(args, kwargs)
+        # a custom rule closes over a tracer of an enclosing transform: no staging boundary
+        chunk = n if self.chunk_size == "auto" else self.chunk_size
+        return self._unstaged(leaves, treedef, axes, n, chunk, traced.out_shapes)
+
+    # -- without a loop --------------------------------------------------------------------------
+    def _unchunked(self, args: tuple, kwargs: dict) -> Any:
+        """The result when nothing is chunked: ``jax.vmap`` (then the sum or mean)."""
+        vmapped = functools.partial(
+            jax.vmap,
+            self.fun,
+            in_axes=self.in_axes,
+            axis_name=self.axis_name,
+            axis_size=self.axis_size,
+            spmd_axis_name=self.spmd_axis_name,
+        )
+        if self.kind != "stack":
+            outs = vmapped()(*args, **kwargs)
+            reduce = jnp.mean if self.kind == "mean" else jnp.sum
+            return jax.tree_util.tree_map(lambda o: reduce(o, axis=0), outs)
+        try:
+            return vmapped(out_axes=self.out_axes)(*args, **kwargs)
+        except ValueError:
+            # A bad `out_axes` gets the same message as on the chunked path; any other error
+            # (from `fun` itself) is jax.vmap's, re-raised as is.
+            try:
+                shapes = jax.eval_shape(vmapped(out_axes=0), *args, **kwargs)
+            except Exception:  # noqa: BLE001 - fun's own error: re-raised below as jax.vmap's
+                shapes = None
+            if shapes is not None:
+                per_example = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s.shape[1:], s.dtype), shapes)
+                flat_out_axes(self.out_axes, per_example, self.where)
+            raise
+
+    def _unstaged(self, leaves: list, treedef: Any, axes: list, n: int, chunk: int, out_shapes: Any) -> Any:
+        """The result by a Python loop of ``jax.vmap`` calls of ``fun``, chunk by chunk.
+
+        The fallback for a ``fun`` whose custom rule closes over a tracer of an enclosing
+        transform: no staging boundary (``jit``, ``scan``, ``checkpoint``) may come between the
+        rule and that tracer, so the chunks are unrolled. Values equal ``jax.vmap``'s; the
+        program's size grows with ``n / chunk_size`` and reverse mode is not bounded by the chunk.
+        """
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+        oaxes = list(self._flat_out_axes(out_shapes)) or [0] * len(out_leaves)
+        chunks = []
+        for start in range(0, n, chunk):
+            m = min(chunk, n - start)
+            flat = [x if a is None else jax.lax.slice_in_dim(x, start, start + m, axis=a) for x, a in zip(leaves, axes)]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, flat)
+            vmapped = jax.vmap(
+                self.fun,
+                in_axes=self.in_axes,
+                out_axes=self.out_axes,
+                axis_size=m,
+                spmd_axis_name=self.spmd_axis_name,
+            )
+            chunks.append(jax.tree_util.tree_leaves(vmapped(*args, **kwargs)))
+        if self.kind == "stack":
+            joined = [
+                chunks[-1][k] if a is None else jnp.concatenate([c[k] for c in chunks], axis=a)
+                for k, a in enumerate(oaxes)
+            ]
+            return jax.tree_util.tree_unflatten(out_tree, joined)
+        totals = []
+        for k, s in enumerate(out_leaves):
+            final = result_dtype(self.kind, s.dtype)
+            acc = accumulation_dtype(final)
+            total = sum(jnp.sum(c[k], axis=0, dtype=acc) for c in chunks)
+            if self.kind == "mean":
+                total = total / jnp.asarray(n, acc)
+            totals.append(total.astype(final))
+        return jax.tree_util.tree_unflatten(out_tree, totals)
+
+
+class _Fallback(Exception):
+    """Raised while tracing a ``shard_map`` body: the call must run without it (``"auto"`` with a
+    collective over ``axis_name`` runs as ``jax.vmap``; a custom rule closing over a tracer of
+    an enclosing transform runs unrolled). Holds the body's trace (None for the former)."""
+
+
+def _cached_loop(kind: str, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:
+    """The jitted loop for ``(kind, key, spec)`` from the cache; made uncached when a setting
+    (a ``remat`` policy, a ``progress`` callable) cannot be keyed."""
+    try:
+        full_key = (kind, key, spec._replace(remat=setting_key(spec.remat), progress=setting_key(spec.progress)))
+        hash(full_key)
+    except (Uncacheable, TypeError):
+        return make()
+    return cached(full_key, lambda: jax.jit(make()))
+
+
+def chunked(fun: Callable, *args: Any, **kwargs: Any) -> Callable:
+    """A :class:`Chunked` transform of ``fun``, with ``fun``'s name, docstring and ``__wrapped__``.
+
+    Unlike ``functools.wraps``, ``fun.__dict__`` is *not* copied: the wrapper's attributes
+    (``fun``, ``in_axes``, ...) would otherwise be overwritten by those of a wrapped transform
+    (nesting) or of any callable object with attributes.
+    """
+    return functools.update_wrapper(Chunked(fun, *args, **kwargs), fun, updated=())
