@@ -2,9 +2,9 @@
 
 The likelihood built with the chunked ``RowOperator`` response must give the same energy,
 gradient and MGVI metric (applied to one tangent and, as ``optimize_kl`` does, vmapped over
-several) as the same likelihood with the plain ``jax.vmap`` response ``los.los_vmap``; and a
-short MGVI run must write its figure and beat the prior on the measured column. Skipped when
-NIFTy.re (the ``nifty`` extra) is not installed.
+several) as the same likelihood with the plain ``jax.vmap`` response ``los.los_vmap``; and the
+tiny MGVI run must write its figure, converge, fit the data and cover the truth as measured in
+``docs/nifty.md``. Skipped when NIFTy.re (the ``nifty`` extra) is not installed.
 """
 
 from __future__ import annotations
@@ -99,6 +99,25 @@ def test_truth_is_a_draw_from_the_models_prior(setup):
     assert abs(float(xi.mean())) < 0.2 and 0.8 < float(xi.std()) < 1.2
 
 
+def test_fixed_hyperparameters_are_constants():
+    """The default prior holds the spectrum fixed (``Prior.fixed``): those excitations stay in the
+    latent vector but do not change the sky; an inferred one (``"inferred"`` preset) does."""
+    cfg = nifty_vi.SIZES["tiny"]
+    assert nifty_vi.PRIORS["default"].fixed() == (
+        "sky zeromode",
+        "sky xy fluctuations",
+        "sky xy loglogavgslope",
+        "sky r fluctuations",
+        "sky r loglogavgslope",
+    )
+    assert nifty_vi.PRIORS["inferred"].fixed() == ()
+    for name, changes in (("default", False), ("inferred", True)):
+        S = nifty_vi.make_setup(cfg, seed=3, prior=name)
+        shifted = jft.Vector({**S.xi_true.tree, "sky r fluctuations": S.xi_true.tree["sky r fluctuations"] + 1.0})
+        moved = float(jnp.abs(jax.jit(S.sky)(shifted) - S.sky_true).max())
+        assert (moved > 1e-3) == changes, (name, moved)
+
+
 def test_padded_field_is_cropped_to_the_sky():
     """``r_pad``/``xy_pad``: the correlated field lives on a padded (non-wrapping) grid, the sky
     and the truth drawn from that model's prior have the unpadded shape."""
@@ -111,20 +130,29 @@ def test_padded_field_is_cropped_to_the_sky():
 
 
 def test_mgvi_run_tiny(tmp_path):
+    """The figures of ``nifty_tiny_results.json`` (seed 0), with margins for floating-point
+    differences between machines; ``docs/nifty.md`` explains each bound."""
     results = nifty_vi.run("tiny", str(tmp_path), seed=0)
     assert (tmp_path / "posterior.png").stat().st_size > 10_000
     saved = json.loads((tmp_path / "results.json").read_text())
     cfg = nifty_vi.SIZES["tiny"]
-    assert saved["n_samples"] == 2 * cfg.samples  # mirrored samples
+    assert saved["samples_per_iteration"] == 2 * cfg.samples and saved["n_samples"] == 2 * cfg.final_samples
     assert saved["iterations"] == cfg.iters == len(saved["kl_history"])
     for key in ("rel_err_sky", "rel_err_column", "chi2_per_line"):
         assert np.isfinite(results[key])
-    # every sample-drawing CG converged below its cap
+    # every sample-drawing CG converged below its cap, and the KL minimisations converged
     cg = saved["sample_cg"]
-    assert cg["solves"] == cfg.iters * cfg.samples and cg["converged"] == cg["solves"]
-    # the posterior mean fits the data at the noise level
-    assert 0.7 <= results["chi2_per_line"] <= 1.5
+    assert cg["solves"] == (cfg.iters - 1) * cfg.samples + cfg.final_samples and cg["converged"] == cg["solves"]
+    assert sum(e["kl_converged"] for e in saved["kl_history"]) >= cfg.iters - 1
+    # the posterior mean fits the data at the noise level, and so do the samples: the Gaussian
+    # approximation is consistent with the data (5.3 in the first, over-confident version)
+    assert 0.85 <= results["chi2_per_line"] <= 1.15
+    assert 0.85 <= results["reduced_chi2_data"] <= 1.15
     # the data measure the column: the posterior mean is far closer to it than the prior is
-    assert results["rel_err_column"] < 0.6 * results["rel_err_column_prior"]
-    # what the lines measure (one combination per pixel) is calibrated
-    assert results["measured_within_2std"] >= 0.8
+    assert results["rel_err_column"] < 0.3 * results["rel_err_column_prior"]
+    # calibration: what the lines measure, the column and the log-sky voxels. Seed 0's truth is
+    # covered by the exact posterior (HMC, nifty_reference.py) in 83% of the columns and 78% of
+    # the voxels, MGVI 75% and 65%; seeds 1-5 reach 92-100% of the columns (docs/nifty.md)
+    assert results["measured_within_2std"] >= 0.85
+    assert results["column_within_2std"] >= 0.7
+    assert results["log_sky_within_2std"] >= 0.55

@@ -1,8 +1,10 @@
 """Variational inference of a 3-D sky with NIFTy.re, the response a chunked ``chunkop.RowOperator``.
 
-    python examples/astro_los/nifty_vi.py [--size tiny|small] [--out DIR] [--iters N] [--samples N]
-                                          [--chunk C] [--r-pad P] [--xy-pad P] [--kl-iters N]
-                                          [--no-figures]
+    python examples/astro_los/nifty_vi.py [--size tiny|small] [--out DIR] [--seed S] [--noise F]
+                                          [--prior default|inferred|wide] [--iters N] [--samples N]
+                                          [--final-samples N] [--chunk C] [--r-pad P] [--xy-pad P]
+                                          [--kl-iters N] [--geovi] [--nl-iters N]
+                                          [--fix-hyperparameters] [--no-figures]
 
 The model (``pip install -e ".[nifty]"``, NIFTy.re is ``import nifty.re as jft``):
 
@@ -10,29 +12,31 @@ The model (``pip install -e ".[nifty]"``, NIFTy.re is ``import nifty.re as jft``
   pixels, radial bins ``geomspace(40, 1700, n_bins + 1)``), where ``rho(r) = 1 / (1 + (r/400)^2)``
   is a fixed radial profile and ``s`` a **correlated field** (``jft.CorrelatedFieldMaker``) on the
   ``(nx, ny, n_bins)`` grid whose power spectrum is a product of a plane-of-sky and a radial
-  (log-distance) spectrum, both inferred (fluctuation amplitude, slope, flexibility, asperity);
+  (log-distance) spectrum. ``--prior`` (``PRIORS``): ``default`` holds the spectrum fixed (a known
+  spectrum; log-sky prior std 0.32-0.36 per voxel, 0.3 of it the overall level); ``inferred``
+  infers the same spectrum's amplitudes and slopes; ``wide`` is the first version of this example
+  (a dust-like sky, log-sky prior std 1.4-1.95 per voxel, spectrum inferred);
 * **response**: the users' line-of-sight operator ``y_l = sum_k w_k(d_l, s_l) sky[pix_l, k]``
   from ``los.py``, a ``chunkop.RowOperator``: the ``n_los x n_bins`` weights are recomputed chunk
   by chunk, never stored, in the forward model, its jvp/vjp (MGVI's metric) and under the
   ``jax.vmap`` over samples that ``jft.optimize_kl`` applies;
 * **likelihood**: ``jft.Gaussian(y, noise_cov_inv).amend(response)``;
 * **inference**: ``jft.optimize_kl`` (MGVI: linear samples, mirrored, and a KL minimisation by
-  Newton-CG per iteration).
+  Newton-CG per iteration; 4 sample pairs per iteration, 16 in the last, whose samples are the
+  reported posterior).
 
-The truth is a draw from the model's own prior (every latent, the spectrum's hyperparameters
-included; fixed seed) and the lines are the users' random lines (``los.draw_lines``); data get
-Gaussian noise of 2% of the rms signal (``--noise``). The sample-drawing CG runs to convergence
-(cap 300; the metric applications are counted and reported), NIFTy's ``minisanity`` is logged
-every iteration (reduced chi^2 of the data and of every latent excitation), and the script
-reports the KL energy trajectory, the chi^2 per line of the posterior mean, z-scores and 2-sigma
-coverage of the log-sky (per voxel and per distance bin), of the column (sum over the bins) and
-of the combination the lines measure, and the truth's z-score for each hyperparameter. It
-writes ``posterior.png`` and ``results.json`` into ``--out`` (default
-``outputs/astro_los_nifty/``). ``--geovi`` switches to geoVI; ``--fix-hyperparameters`` is a
-diagnostic run with the spectrum held at its truth. ``--r-pad P`` / ``--xy-pad P`` build the
-(periodic) correlated field on ``P`` times the radial / plane-of-sky extent and crop it, so the
-nearest and the farthest bin are no longer neighbours; the truth is then drawn from that padded
-model's prior (``docs/nifty.md``, "Calibration: what we tried", has the measured effect).
+The truth is a draw from the model's own prior (every latent the model uses; fixed seed) and the
+lines are the users' random lines (``los.draw_lines``); data get Gaussian noise of 10% of the rms
+signal (``--noise``). The sample-drawing CG runs to convergence (cap 300; the metric applications
+are counted and reported), NIFTy's ``minisanity`` is logged every iteration (reduced chi^2 of the
+data and of every latent excitation), and the script reports the KL energy trajectory, the chi^2
+per line of the posterior mean, z-scores and 2-sigma coverage of the log-sky (per voxel and per
+distance bin), of the column (sum over the bins) and of the combination the lines measure, and
+the truth's z-score for each inferred hyperparameter. It writes ``posterior.png`` and
+``results.json`` into ``--out`` (default ``outputs/astro_los_nifty/``). ``--geovi`` switches to
+geoVI; ``--fix-hyperparameters`` holds inferred hyperparameters at their truth (a diagnostic).
+``--r-pad P`` / ``--xy-pad P`` build the (periodic) correlated field on ``P`` times the radial /
+plane-of-sky extent and crop it, so the nearest and the farthest bin are no longer neighbours.
 
 Units: distances in pc; the sky in the model's arbitrary density units (prior median
 ``rho(r)``, 1 at r = 0); the column is the sum over the radial bins (uniform in ``ln r``) in the
@@ -40,9 +44,11 @@ same units.
 
 The data constrain about one radial combination per pixel (``examples/astro_los/README.md``,
 "One number per pixel"): every line through a pixel measures ``sum_k v_k sky_k`` with
-``v ~ diff(-1/b)`` up to a factor ``1/s``. What the posterior does with the rest is documented in
-``docs/nifty.md`` with the measured numbers (``nifty_tiny_results.json``): MGVI's linear samples
-under the ``exp`` of the log-normal sky are not calibrated off the measured combination.
+``v ~ diff(-1/b)`` up to a factor ``1/s``. MGVI approximates the posterior by a Gaussian in the
+latent space; ``nifty_reference.py`` computes the exact posterior of the linearised problem, the
+Laplace posterior and an HMC reference, and ``docs/nifty.md`` has the measured numbers
+(``nifty_tiny_results.json``): with the ``wide`` prior and 2% noise the posterior is far from
+Gaussian and MGVI is over-confident; with the default it is Gaussian and MGVI is calibrated.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class Size:
     chunk: int  # lines per chunk of the RowOperator
     iters: int  # optimize_kl iterations
     samples: int  # MGVI samples per iteration (mirrored: twice as many are used)
+    final_samples: int  # samples of the last iteration, the posterior that is reported (mirrored: x2)
     cg_iters: int  # cap on the CG iterations that draw a sample (they stop earlier when converged)
     kl_iters: int  # cap on the Newton-CG steps of each KL minimisation
     r_pad: int = 1  # the correlated field lives on r_pad * n_bins radial bins (cropped): no wrap-around
@@ -86,8 +93,21 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(nx=8, ny=6, n_bins=12, n_los=1500, chunk=500, iters=6, samples=4, cg_iters=300, kl_iters=10),
-    "small": Size(nx=32, ny=24, n_bins=24, n_los=24_000, chunk=4096, iters=12, samples=4, cg_iters=300, kl_iters=10),
+    "tiny": Size(
+        nx=8, ny=6, n_bins=12, n_los=1500, chunk=500, iters=6, samples=4, final_samples=16, cg_iters=300, kl_iters=10
+    ),
+    "small": Size(
+        nx=32,
+        ny=24,
+        n_bins=24,
+        n_los=24_000,
+        chunk=4096,
+        iters=12,
+        samples=4,
+        final_samples=16,
+        cg_iters=300,
+        kl_iters=10,
+    ),
 }
 
 
@@ -97,26 +117,74 @@ def _size(size: str | Size) -> Size:
     return SIZES[size] if isinstance(size, str) else size
 
 
+Hyper = tuple[float, float] | float
+
+
 @dataclasses.dataclass(frozen=True)
 class Prior:
-    """The hyperparameter priors of the correlated field: ``(mean, std)`` of each, as
-    ``jft.CorrelatedFieldMaker`` takes them (``None``: that part of the spectrum is left out)."""
+    """The hyperparameters of the correlated field: a number is held fixed (a known power
+    spectrum), ``(mean, std)`` is inferred with NIFTy's prior for it, as ``jft.CorrelatedFieldMaker``
+    takes them (``None``: that part of the spectrum is left out)."""
 
-    offset_std: tuple[float, float] = (0.3, 0.1)
-    xy_fluctuations: tuple[float, float] = (0.6, 0.2)
-    xy_slope: tuple[float, float] = (-3.0, 0.5)
-    xy_flexibility: tuple[float, float] | None = (0.5, 0.2)
-    r_fluctuations: tuple[float, float] = (0.6, 0.2)
-    r_slope: tuple[float, float] = (-4.0, 0.5)
+    offset_std: Hyper = 0.3
+    xy_fluctuations: Hyper = 0.1
+    xy_slope: Hyper = -3.0
+    xy_flexibility: Hyper | None = None
+    r_fluctuations: Hyper = 0.1
+    r_slope: Hyper = -4.0
+
+    def fixed(self) -> tuple[str, ...]:
+        """The latent names (``"sky ..."``) of the hyperparameters held fixed: their excitations are
+        in the latent vector but unused (posterior = prior), so they are left out of the statistics."""
+        names = {
+            "offset_std": "sky zeromode",
+            "xy_fluctuations": "sky xy fluctuations",
+            "xy_slope": "sky xy loglogavgslope",
+            "xy_flexibility": "sky xy flexibility",
+            "r_fluctuations": "sky r fluctuations",
+            "r_slope": "sky r loglogavgslope",
+        }
+        return tuple(
+            n for f, n in names.items() if getattr(self, f) is not None and not isinstance(getattr(self, f), tuple)
+        )
 
 
-PRIORS = {"default": Prior()}
+PRIORS = {
+    # a known spectrum, log-sky prior std 0.32-0.36 per voxel (0.3 of it the overall level)
+    "default": Prior(),
+    # the same spectrum inferred: MGVI collapses the radial amplitude the data do not measure
+    "inferred": Prior(
+        offset_std=(0.3, 0.1),
+        xy_fluctuations=(0.1, 0.03),
+        xy_slope=(-3.0, 0.5),
+        r_fluctuations=(0.1, 0.03),
+        r_slope=(-4.0, 0.5),
+    ),
+    # the first version: a dust-like sky (log-sky prior std 1.4-1.95 per voxel), spectrum inferred
+    "wide": Prior(
+        offset_std=(0.3, 0.1),
+        xy_fluctuations=(0.6, 0.2),
+        xy_slope=(-3.0, 0.5),
+        xy_flexibility=(0.5, 0.2),
+        r_fluctuations=(0.6, 0.2),
+        r_slope=(-4.0, 0.5),
+    ),
+}
 
 
 def radial_profile(edges: np.ndarray) -> np.ndarray:
     """The fixed radial density profile ``rho(r) = 1 / (1 + (r / 400)^2)`` at the bin centres."""
     r = np.sqrt(edges[:-1] * edges[1:])
     return 1.0 / (1.0 + (r / 400.0) ** 2)
+
+
+def _hyper(p: Hyper | None):
+    """A hyperparameter prior as ``jft.CorrelatedFieldMaker`` takes it: ``(mean, std)`` is inferred
+    (NIFTy's default prior), a plain number is held fixed (its latent is kept, but unused)."""
+    if p is None or isinstance(p, tuple):
+        return p
+    value = float(p)
+    return lambda xi: jnp.full(jnp.shape(xi), value, jnp.result_type(xi))
 
 
 def correlated_field(
@@ -130,13 +198,13 @@ def correlated_field(
     (and opposite plane-of-sky edges) are no longer neighbours."""
     nx, ny = xy_pad * nx, xy_pad * ny
     cfm = jft.CorrelatedFieldMaker("sky ")
-    cfm.set_amplitude_total_offset(offset_mean=0.0, offset_std=prior.offset_std)
+    cfm.set_amplitude_total_offset(offset_mean=0.0, offset_std=_hyper(prior.offset_std))
     cfm.add_fluctuations(
         (nx, ny),
         distances=1.0,
-        fluctuations=prior.xy_fluctuations,
-        loglogavgslope=prior.xy_slope,
-        flexibility=prior.xy_flexibility,
+        fluctuations=_hyper(prior.xy_fluctuations),
+        loglogavgslope=_hyper(prior.xy_slope),
+        flexibility=_hyper(prior.xy_flexibility),
         asperity=None,
         prefix="xy ",
         non_parametric_kind="power",
@@ -145,8 +213,8 @@ def correlated_field(
     cfm.add_fluctuations(
         r_pad * (edges.size - 1),
         distances=dlnr,
-        fluctuations=prior.r_fluctuations,
-        loglogavgslope=prior.r_slope,
+        fluctuations=_hyper(prior.r_fluctuations),
+        loglogavgslope=_hyper(prior.r_slope),
         flexibility=None,
         asperity=None,
         prefix="r ",
@@ -238,7 +306,7 @@ def make_setup(
     size: str | Size = "small",
     *,
     seed: int = 0,
-    noise: float = 0.02,
+    noise: float = 0.1,
     chunk: int | None = None,
     prior: str | Prior = "default",
 ) -> Setup:
@@ -283,13 +351,15 @@ class CountingCG:
         return x, info
 
 
-def _latent_stats(samples: Any, truth: Any) -> dict:
-    """Per latent leaf: NIFTy's reduced chi^2 of the excitations (``jft.reduced_residual_stats``:
-    mean over samples of ``|xi|^2 / n``; about 1 under the prior) and, for the scalar
-    hyperparameters, the truth's z-score under the posterior samples."""
+def _latent_stats(samples: Any, truth: Any, unused: tuple[str, ...] = ()) -> dict:
+    """Per latent leaf (``unused`` ones left out): NIFTy's reduced chi^2 of the excitations
+    (``jft.reduced_residual_stats``: mean over samples of ``|xi|^2 / n``; about 1 under the prior)
+    and, for the scalar hyperparameters, the truth's z-score under the posterior samples."""
     stats = jft.reduced_residual_stats(samples)
     out = {}
     for k, st in stats.tree.items():
+        if k in unused:
+            continue
         entry = {"reduced_chi2": float(st.reduced_chisq[0]), "ndof": int(st.ndof)}
         if samples.samples.tree[k].ndim == 1:  # a scalar latent: (n_samples,)
             s = samples.samples.tree[k]
@@ -336,33 +406,67 @@ def posterior_stats(S: Setup, skies: jax.Array) -> dict:
     return out
 
 
+def optimize_kl_settings(cfg: Size, n_params: int, cg: Any = None, *, nl_iters: int = 10) -> dict:
+    """The ``jft.optimize_kl`` settings of the example (also used by ``nifty_reference.py``):
+    ``cfg.iters`` iterations of ``cfg.samples`` mirrored sample pairs, ``cfg.final_samples`` in the
+    last one (the reported posterior); sample CG to convergence (``cg``: e.g. a ``CountingCG``);
+    at most ``cfg.kl_iters`` Newton-CG steps per KL minimisation."""
+    cg = jft.conjugate_gradient.cg if cg is None else cg
+
+    def n_samples(i: int) -> int:
+        return cfg.final_samples if i >= cfg.iters - 1 else cfg.samples
+
+    return dict(
+        n_total_iterations=cfg.iters,
+        n_samples=n_samples,
+        draw_linear_kwargs=dict(
+            cg=cg, cg_name=None, cg_kwargs=dict(absdelta=1e-4 * n_params / 10, maxiter=cfg.cg_iters)
+        ),
+        nonlinearly_update_kwargs=dict(
+            minimize_kwargs=dict(name=None, xtol=1e-4, cg_kwargs=dict(name=None), maxiter=nl_iters)
+        ),
+        kl_kwargs=dict(
+            minimize_kwargs=dict(
+                name=None, xtol=1e-4, absdelta=1e-3 * n_params / 10, cg_kwargs=dict(name=None), maxiter=cfg.kl_iters
+            )
+        ),
+    )
+
+
 def run(
     size: str | Size = "small",
     out: str | None = "outputs/astro_los_nifty",
     *,
     iters: int | None = None,
     samples: int | None = None,
+    final_samples: int | None = None,
     chunk: int | None = None,
     seed: int = 0,
-    noise: float = 0.02,
+    noise: float = 0.1,
     prior: str | Prior = "default",
     sample_mode: str = "linear_resample",
     fix_hyperparameters: bool = False,
     r_pad: int | None = None,
     xy_pad: int | None = None,
     kl_iters: int | None = None,
+    nl_iters: int = 10,
     figures: bool = True,
     verbose: bool = True,
 ) -> dict:
     """Run MGVI (or geoVI: ``sample_mode="nonlinear_resample"``) on the problem of ``size``;
-    returns the results (also written to ``out``). ``fix_hyperparameters``: a diagnostic run
-    with the spectrum's hyperparameters held at their true values (not inferred)."""
+    returns the results (also written to ``out``). ``samples`` pairs of mirrored samples per
+    iteration, ``final_samples`` pairs in the last one (the reported posterior).
+    ``fix_hyperparameters``: a diagnostic run with the spectrum's inferred hyperparameters held
+    at their true values."""
     t0 = time.perf_counter()
-    overrides = dict(r_pad=r_pad, xy_pad=xy_pad, kl_iters=kl_iters)
+    overrides = dict(r_pad=r_pad, xy_pad=xy_pad, kl_iters=kl_iters, iters=iters, samples=samples)
+    overrides["final_samples"] = final_samples
     cfg = dataclasses.replace(_size(size), **{k: v for k, v in overrides.items() if v is not None})
+    prior = PRIORS[prior] if isinstance(prior, str) else prior
     S = make_setup(cfg, seed=seed, noise=noise, chunk=chunk, prior=prior)
     lh = S.likelihood("chunkop")
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(S.xi_true))
+    unused = prior.fixed()  # excitations of fixed hyperparameters: in the latent vector, unused
+    n_params = sum(v.size for k, v in S.xi_true.tree.items() if k not in unused)
     size_name = size if isinstance(size, str) else "custom"
     print(
         f"{size_name}: sky {cfg.nx}x{cfg.ny} pixels x {cfg.n_bins} bins, {cfg.n_los} lines "
@@ -374,7 +478,7 @@ def run(
     key, k_init = jax.random.split(jax.random.key(seed + 2))
     xi0 = jft.Vector(lh.init(k_init))
     xi0 = jax.tree_util.tree_map(lambda x: 0.1 * x, xi0)  # start near the prior median
-    hyper = tuple(k for k in S.xi_true.tree if k != "sky xi")
+    hyper = tuple(k for k in S.xi_true.tree if k != "sky xi" and k not in unused)
     fixed: tuple[str, ...] = ()
     if fix_hyperparameters:
         fixed = hyper
@@ -393,6 +497,10 @@ def run(
             "kl_converged": int(ms.status) == 0,
             "reduced_chi2_data": float(resid.reduced_chisq[0]),
         }
+        ss = state.sample_state
+        if ss is not None and hasattr(ss, "nit"):  # geoVI: the nonlinear sample updates
+            entry["nonlinear_update_steps"] = [int(n) for n in np.atleast_1d(ss.nit)]
+            entry["nonlinear_update_converged"] = [int(st) == 0 for st in np.atleast_1d(ss.status)]
         history.append(entry)
         if verbose:
             _, msg = jft.minisanity(smpls)
@@ -400,34 +508,29 @@ def run(
                 f"  it {entry['iteration']:2d}: KL energy {entry['kl_energy']:.6g}, "
                 f"{entry['kl_newton_steps']} Newton steps (converged: {entry['kl_converged']}), "
                 f"data reduced chi2 {entry['reduced_chi2_data']:.3f}, "
-                f"sample CG metric applications {[c[0] for c in cg.calls[-(samples or cfg.samples) :]]}",
+                f"sample CG metric applications {[c[0] for c in cg.calls[-n_samples(state.nit - 1) :]]}"
+                + (
+                    f", nonlinear update steps {entry['nonlinear_update_steps']} "
+                    f"(converged {entry['nonlinear_update_converged']})"
+                    if "nonlinear_update_steps" in entry
+                    else ""
+                ),
                 flush=True,
             )
-            if entry["iteration"] == (iters or cfg.iters):
+            if entry["iteration"] == cfg.iters:
                 print("  NIFTy minisanity of the latent excitations:\n" + msg, flush=True)
 
+    n_samples = optimize_kl_settings(cfg, n_params, cg, nl_iters=nl_iters)["n_samples"]
     samples_out, state = jft.optimize_kl(
         lh,
         xi0,
-        n_total_iterations=iters or cfg.iters,
-        n_samples=samples or cfg.samples,
         key=key,
         point_estimates=fixed,
         constants=fixed,
-        draw_linear_kwargs=dict(
-            cg=cg, cg_name=None, cg_kwargs=dict(absdelta=1e-4 * n_params / 10, maxiter=cfg.cg_iters)
-        ),
-        nonlinearly_update_kwargs=dict(
-            minimize_kwargs=dict(name=None, xtol=1e-4, cg_kwargs=dict(name=None), maxiter=10)
-        ),
-        kl_kwargs=dict(
-            minimize_kwargs=dict(
-                name=None, xtol=1e-4, absdelta=1e-3 * n_params / 10, cg_kwargs=dict(name=None), maxiter=cfg.kl_iters
-            )
-        ),
         sample_mode=sample_mode,
         callback=callback,
         odir=None,
+        **optimize_kl_settings(cfg, n_params, cg, nl_iters=nl_iters),
     )
     skies, y_pred = _posterior_summary(S.sky, S.A, samples_out.samples)  # skies: (n_samples, n_pix, n_bins)
     st = posterior_stats(S, skies)
@@ -453,7 +556,11 @@ def run(
         "seed": seed,
         "chunk_size": int(S.A.chunk_size),
         "sample_mode": sample_mode,
+        "prior": {k: v for k, v in dataclasses.asdict(prior).items()},
+        "spectrum_fixed": list(unused),
         "hyperparameters_fixed_at_truth": bool(fix_hyperparameters),
+        "noise": noise,
+        "samples_per_iteration": 2 * cfg.samples,
         "n_samples": len(samples_out),
         "iterations": int(state.nit),
         "noise_sigma": S.sigma,
@@ -486,7 +593,7 @@ def run(
             "metric_applications_max": int(cg_n.max()),
         },
         "kl_history": history,
-        "latents": _latent_stats(samples_out, S.xi_true),
+        "latents": _latent_stats(samples_out, S.xi_true, unused),
         "seconds": time.perf_counter() - t0,
     }
     if verbose:
@@ -539,7 +646,7 @@ def plot(S: Setup, skies: jax.Array, st: dict, results: dict, path: str) -> None
     fig = plt.figure(figsize=(15, 8.5), constrained_layout=True)
     gs = fig.add_gridspec(3, 4, height_ratios=[1, 1, 0.9])
     for i, (name, truth, m, sd, z) in enumerate(rows):
-        lo, hi = float(np.min(truth)), float(np.max(truth))
+        lo, hi = float(min(np.min(truth), np.min(m))), float(max(np.max(truth), np.max(m)))  # one scale
         zc = float(np.mean(np.abs(np.asarray(z)) < 2))
         for j, (img, title, kw, unit) in enumerate(
             (
@@ -576,7 +683,10 @@ def plot(S: Setup, skies: jax.Array, st: dict, results: dict, path: str) -> None
     lines = [
         f"{results['n_pix']} pixels x {results['n_bins']} bins, {results['n_los']} lines, "
         f"{results['n_latent']} latent parameters",
-        f"{results['sample_mode']}, {results['iterations']} iterations, {results['n_samples']} samples (mirrored)",
+        f"{results['sample_mode']}, {results['iterations']} iterations, {results['samples_per_iteration']} samples "
+        f"per iteration, {results['n_samples']} in the last (mirrored)",
+        f"noise {results['noise']:.0%} of the rms signal; spectrum "
+        + ("fixed (known)" if results["spectrum_fixed"] else "inferred"),
         f"data: chi2 per line of the mean {results['chi2_per_line']:.2f}, "
         f"reduced chi2 over samples {results['reduced_chi2_data']:.2f}",
         "2-sigma coverage (fraction of truth values within):",
@@ -602,15 +712,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--size", default="small", choices=sorted(SIZES))
     p.add_argument("--out", default="outputs/astro_los_nifty")
     p.add_argument("--iters", type=int, default=None, help="optimize_kl iterations")
-    p.add_argument("--samples", type=int, default=None, help="MGVI samples (x2, mirrored)")
+    p.add_argument("--samples", type=int, default=None, help="MGVI samples per iteration (x2, mirrored)")
+    p.add_argument("--final-samples", type=int, default=None, help="MGVI samples of the last iteration (x2)")
+    p.add_argument("--prior", default="default", choices=sorted(PRIORS), help="hyperparameter preset (PRIORS)")
     p.add_argument("--chunk", type=int, default=None, help="lines per chunk")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--noise", type=float, default=0.02, help="noise std as a fraction of the rms signal")
+    p.add_argument("--noise", type=float, default=0.1, help="noise std as a fraction of the rms signal")
     p.add_argument("--geovi", action="store_true", help="geoVI (nonlinear sample updates) instead of MGVI")
     p.add_argument("--fix-hyperparameters", action="store_true", help="diagnostic: spectrum held at its truth")
     p.add_argument("--r-pad", type=int, default=None, help="radial padding factor of the field (no wrap-around)")
     p.add_argument("--xy-pad", type=int, default=None, help="plane-of-sky padding factor of the field")
     p.add_argument("--kl-iters", type=int, default=None, help="cap on the Newton-CG steps per KL minimisation")
+    p.add_argument(
+        "--nl-iters", type=int, default=10, help="geoVI: cap on the Newton steps of each nonlinear sample update"
+    )
     p.add_argument("--no-figures", action="store_true")
     a = p.parse_args(argv)
     run(
@@ -618,14 +733,17 @@ def main(argv: list[str] | None = None) -> None:
         a.out,
         iters=a.iters,
         samples=a.samples,
+        final_samples=a.final_samples,
         chunk=a.chunk,
         seed=a.seed,
         noise=a.noise,
+        prior=a.prior,
         sample_mode="nonlinear_resample" if a.geovi else "linear_resample",
         fix_hyperparameters=a.fix_hyperparameters,
         r_pad=a.r_pad,
         xy_pad=a.xy_pad,
         kl_iters=a.kl_iters,
+        nl_iters=a.nl_iters,
         figures=not a.no_figures,
     )
 
