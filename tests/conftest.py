@@ -85,13 +85,11 @@ def rng():
 
 
 def make_los_rows(n: int, npix: int, seed: int = 0) -> dict:
-    """Line-of-sight row data for the operator tests: pixel index, distance ``d``, uncertainty ``s``."""
-    rng = np.random.default_rng(seed)
-    return {
-        "idx": jnp.asarray(rng.integers(0, npix, n), dtype=jnp.int32),
-        "d": jnp.asarray(rng.uniform(200.0, 1500.0, n), dtype=jnp.float32),
-        "s": jnp.asarray(rng.uniform(0.01, 0.05, n), dtype=jnp.float32),
-    }
+    """Line-of-sight row data: ``operator_registry.make_los_rows`` (imported when first called, so
+    that importing this module creates no JAX arrays)."""
+    from operator_registry import make_los_rows as registry_make_los_rows
+
+    return registry_make_los_rows(n, npix, seed)
 
 
 class CompileCounter:

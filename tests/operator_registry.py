@@ -1,17 +1,31 @@
-"""One shared registry of ``RowOperator`` test problems (as lineax's tests do for its operators).
+"""The registry of ``RowOperator`` test problems, as lineax's tests keep one for its operators.
 
-Each :class:`Case` builds a chunked operator from a parameter ``p`` (a pytree of float arrays)
-that its ``row_fn`` depends on, either through ``rows`` or by *closing over* it, and gives the
-references the tests compare with: ``jax.vmap`` of the same ``row_fn`` (``ref_mv``), its
-``jax.linear_transpose`` (``ref_T``) and its dense matrix (``dense``). Tests parametrize over
-``CASES`` (``ids=list(CASES)``) and check values, transposes and derivatives w.r.t. ``x``, ``y``
-and ``p`` against those references.
+``make_operators`` lists factories; each returns a :class:`Case`, from which a test gets the
+chunked operator and the references it compares with. Every generic operator test runs over
+the whole list::
+
+    @pytest.mark.parametrize("make_operator", make_operators, ids=OPERATOR_IDS)
+    def test_something(make_operator):
+        case = make_operator()
+        A, x, y, M = case.op(), case.x(), case.y(), case.dense()
+
+A case's row function ``make_row_fn(p)`` and rows ``make_rows(p)`` depend on a parameter ``p``
+(a pytree of float arrays) that enters through the rows, through the row function's closure,
+or both, so that derivatives w.r.t. ``p`` test both routes. The references are ``jax.vmap`` of
+the row function (``ref_mv``), its ``jax.linear_transpose`` (``ref_T``) and the dense matrix
+(``dense``, in ``ravel_pytree`` order).
+
+The default chunks are chosen so that the list runs every chunk plan of ``_chunking.make_plan``:
+a scan of full chunks and a remainder, a scan of equal chunks (the chunk divides ``n_rows``),
+and a single chunk (the chunk is ``n_rows`` or more; no scan).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +38,12 @@ NPIX, K, N = 7, 4, 10
 CHUNK = 4  # two full chunks and a remainder of 2
 
 
+@functools.lru_cache
 def edges(k: int = K) -> jax.Array:
-    """The ``k + 1`` distance-bin edges ``geomspace(40, 1700)``."""
-    return jnp.geomspace(40.0, 1700.0, k + 1).astype(jnp.float32)
+    """The ``k + 1`` distance-bin edges ``geomspace(40, 1700)``: a concrete array, also when first
+    asked for inside a trace (a constant of the program, not ops to compile)."""
+    with jax.ensure_compile_time_eval():
+        return jnp.geomspace(40.0, 1700.0, k + 1).astype(jnp.float32)
 
 
 BOUNDS = edges(K)
@@ -40,7 +57,7 @@ def los_weights(r: dict, bounds: jax.Array = BOUNDS) -> jax.Array:
 
 def los_row(r: dict, x: jax.Array) -> jax.Array:
     """The canonical row: the weighted distance bins (``x.shape[-1]`` of them) of pixel ``idx``."""
-    bounds = BOUNDS if x.shape[-1] == K else edges(x.shape[-1])
+    bounds = edges(x.shape[-1])
     return jnp.dot(los_weights(r, bounds), x[r["idx"]])
 
 
@@ -55,6 +72,7 @@ def make_los_rows(n: int = N, npix: int = NPIX, seed: int = 0, dtype: Any = np.f
 
 
 def rand(*shape: int, seed: int = 0, dtype: Any = np.float32) -> jax.Array:
+    """Standard normal values (complex for a complex ``dtype``)."""
     rng = np.random.default_rng(seed)
     if np.issubdtype(dtype, np.complexfloating):
         return jnp.asarray(rng.normal(size=shape) + 1j * rng.normal(size=shape), dtype=dtype)
@@ -62,116 +80,261 @@ def rand(*shape: int, seed: int = 0, dtype: Any = np.float32) -> jax.Array:
 
 
 def rand_like(structure: Any, seed: int) -> Any:
+    """:func:`rand` values in the shapes and dtypes of a pytree of arrays or structures."""
     leaves, tree = jax.tree_util.tree_flatten(structure)
     return jax.tree_util.tree_unflatten(
         tree, [rand(*s.shape, seed=seed + i, dtype=s.dtype) for i, s in enumerate(leaves)]
     )
 
 
-class Case(NamedTuple):
-    """A test problem: ``make_row_fn(p)`` is the ``row_fn`` (closing over ``p`` or not)."""
+def dense_matrix(row_fn: Callable, rows: Any, in_structure: Any) -> jax.Array:
+    """The matrix of ``x -> jax.vmap(row_fn, (0, None))(rows, x)``, in ``ravel_pytree`` order
+    (outputs rows, inputs columns), from its images of the basis vectors.
 
+    Not jitted: called eagerly, its operations are compiled once per shape and reused by every
+    later call (a jitted version would compile afresh for each new ``row_fn``); inside a test's
+    own ``jax.jit`` it is traced into that program."""
+    flat, unravel = ravel_pytree(jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), in_structure))
+    image = lambda e: ravel_pytree(jax.vmap(row_fn, (0, None))(rows, unravel(e)))[0]
+    return jax.vmap(image)(jnp.eye(flat.size, dtype=flat.dtype)).T
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Case:
+    """A test problem: ``make_row_fn(p)`` is the row function, ``make_rows(p)`` the rows."""
+
+    name: str
     make_row_fn: Callable[[Any], Callable]
-    make_rows: Callable[[Any], Any]  # rows for parameter p (p may enter through rows)
+    make_rows: Callable[[Any], Any]
     in_structure: Any
     p: Any  # the parameter's value
     chunk: int = CHUNK
 
-    def op(self, p: Any = None, chunk: int | None = None) -> chunkop.RowOperator:
+    @property
+    def row_fn(self) -> Callable:
+        return self.make_row_fn(self.p)
+
+    @property
+    def rows(self) -> Any:
+        return self.make_rows(self.p)
+
+    def op(self, p: Any = None, *, chunk: int | None = None, rows: Any = None, **kw: Any) -> chunkop.RowOperator:
+        """The chunked operator at parameter ``p`` (the case's own by default); ``rows``, when
+        given, replace ``make_rows(p)`` (e.g. abstract or batched rows)."""
         p = self.p if p is None else p
+        rows = self.make_rows(p) if rows is None else rows
         return chunkop.RowOperator(
-            self.make_row_fn(p), self.make_rows(p), self.in_structure, chunk_size=chunk or self.chunk
+            self.make_row_fn(p), rows, self.in_structure, chunk_size=self.chunk if chunk is None else chunk, **kw
         )
 
-    def ref_mv(self, p: Any, x: Any) -> Any:
-        return jax.vmap(self.make_row_fn(p), (0, None))(self.make_rows(p), x)
+    def ref_mv(self, x: Any, p: Any = None, *, rows: Any = None) -> Any:
+        """The unchunked reference of ``A.mv``: ``jax.vmap`` of the row function."""
+        p = self.p if p is None else p
+        rows = self.make_rows(p) if rows is None else rows
+        return jax.vmap(self.make_row_fn(p), (0, None))(rows, x)
 
-    def ref_T(self, p: Any, y: Any) -> Any:
-        return jax.linear_transpose(lambda v: self.ref_mv(p, v), self.in_structure)(y)[0]
+    def ref_T(self, y: Any, p: Any = None, *, rows: Any = None) -> Any:
+        """The unchunked reference of ``A.T.mv``: ``jax.linear_transpose`` of :meth:`ref_mv`."""
+        return jax.linear_transpose(lambda v: self.ref_mv(v, p, rows=rows), self.in_structure)(y)[0]
+
+    def out_structure(self) -> Any:
+        return jax.eval_shape(self.ref_mv, self.in_structure)
 
     def x(self, seed: int = 1) -> Any:
+        """An example input vector."""
         return rand_like(self.in_structure, seed)
 
     def y(self, seed: int = 2) -> Any:
-        return rand_like(jax.eval_shape(lambda v: self.ref_mv(self.p, v), self.in_structure), seed)
+        """An example output-space vector (the input of ``A.T.mv``)."""
+        return rand_like(self.out_structure(), seed)
 
     def dense(self, p: Any = None) -> jax.Array:
-        """The reference matrix in ``ravel_pytree`` order (outputs rows, inputs columns)."""
+        """The reference matrix (see :func:`dense_matrix`)."""
         p = self.p if p is None else p
-        flat, unravel = ravel_pytree(self.x())
-        columns = jax.vmap(lambda e: ravel_pytree(self.ref_mv(p, unravel(e)))[0])(jnp.eye(flat.size, dtype=flat.dtype))
-        return columns.T
+        return dense_matrix(self.make_row_fn(p), self.make_rows(p), self.in_structure)
 
 
-ROWS = make_los_rows()
 STRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
+ROWS = make_los_rows()
+
+
+# -- the factories ------------------------------------------------------------------------------
+
+
+def make_los(n: int = N, npix: int = NPIX, k: int = K, chunk: int = CHUNK, seed: int = 0, dtype: Any = np.float32):
+    """The canonical line-of-sight problem; ``p`` (the distances and scales) enters through the rows.
+
+    Any size (``tests/test_memory_operator.py`` compiles it at 262144 rows on a 20000 x 256 sky).
+    """
+    rows = make_los_rows(n, npix, seed, dtype)
+    return Case(
+        "los",
+        lambda p: los_row,
+        lambda p: {"idx": rows["idx"], "d": p["d"], "s": p["s"]},
+        jax.ShapeDtypeStruct((npix, k), dtype),
+        {"d": rows["d"], "s": rows["s"]},
+        chunk,
+    )
+
+
+def make_well_conditioned(n: int = 60, npix: int = 5, k: int = 3, chunk: int = 9, seed: int = 0):
+    """A least-squares problem for the solvers: each row's weights times a random O(1) gain per
+    bin, so that rows through the same pixel are not nearly parallel (condition number < 100) and
+    the matrix is O(1) (lineax's CG declares a breakdown when the operator's scale is tiny).
+    ``p``: every float leaf of the rows. 60 rows in chunks of 9: 6 full chunks and a remainder."""
+    rows = make_los_rows(n, npix, seed)
+    rng = np.random.default_rng(seed)
+    rng.integers(0, npix, n), rng.uniform(size=n), rng.uniform(size=n)  # skip make_los_rows' draws
+    gain = jnp.asarray(rng.normal(size=(n, k)) * 5.0, dtype=jnp.float32)
+    bounds = edges(k)
+
+    def row_fn(r, x):
+        return jnp.dot(los_weights(r, bounds) * r["g"], x[r["idx"]])
+
+    return Case(
+        "well_conditioned",
+        lambda p: row_fn,
+        lambda p: {"idx": rows["idx"], **p},
+        jax.ShapeDtypeStruct((npix, k), jnp.float32),
+        {"d": rows["d"], "s": rows["s"], "g": gain},
+        chunk,
+    )
+
+
+def well_conditioned_squared_row_fn(r, x):
+    """``x -> row_fn(r, x) `` with the weights squared: ``gram_diagonal``'s fast path."""
+    return jnp.dot((los_weights(r, edges(x.shape[-1])) * r["g"]) ** 2, x[r["idx"]])
+
+
 PSTRUCT = {"a": STRUCT, "b": jax.ShapeDtypeStruct((NPIX,), jnp.float32)}
-CSTRUCT = jax.ShapeDtypeStruct((NPIX, K), jnp.complex64)
-GAIN = jnp.linspace(0.5, 2.0, NPIX, dtype=jnp.float32)
 
 
-def _los_through_rows(p: dict) -> Callable:
-    return los_row
+def make_pytree():
+    """Pytree input, pytree output of mixed per-row shapes (a scalar, a vector, a ``K x K``
+    matrix); ``p`` enters through the rows (``w``, non-linearly) and the closure (``c``).
+    Chunks of 5 divide the 10 rows."""
+    w = rand(N, K, seed=30)
+
+    def make_row_fn(p):
+        def row_fn(r, x):
+            xa = x["a"][r["idx"]]
+            return {
+                "p": jnp.dot(jnp.tanh(r["w"]) * los_weights(r), xa) + p["c"] * x["b"][r["idx"]],
+                "q": jnp.stack([r["s"] * x["b"][0], jnp.sum(xa), p["c"] ** 2 * xa[1]]),
+                "r": r["w"][:, None] * xa[None, :],
+            }
+
+        return row_fn
+
+    return Case("pytree", make_row_fn, lambda p: {**ROWS, "w": p["w"]}, PSTRUCT, {"w": w, "c": jnp.float32(0.7)}, 5)
 
 
-def _pytree_row_fn(p: dict) -> Callable:
-    def row_fn(r: dict, x: dict) -> dict:
-        w = los_weights(r)
-        return {"p": jnp.dot(w, x["a"][r["idx"]]) + p["c"] * x["b"][r["idx"]], "q": w[:3] * x["b"][r["idx"]]}
+def make_vector_out():
+    """A ``(3,)`` output per row, one entry reading the same input element for every row (a full
+    column of the matrix); ``p`` enters through the rows. Chunks of 3: a remainder of 1."""
 
-    return row_fn
+    def row_fn(r, x):
+        xa = x[r["idx"]]
+        return jnp.stack([jnp.dot(r["w"], xa), r["v"] * xa[0], jnp.sum(xa) - x[0, 1]])
 
-
-def _complex_row_fn(p: dict) -> Callable:
-    def row_fn(r: dict, x: jax.Array) -> jax.Array:
-        w = los_weights(r) * jnp.exp(1j * p["phase"])
-        return jnp.dot(w, x[r["idx"]])
-
-    return row_fn
+    rows = {"idx": ROWS["idx"], "w": rand(N, K, seed=3)}
+    return Case("vector_out", lambda p: row_fn, lambda p: {**rows, "v": p["v"]}, STRUCT, {"v": rand(N, seed=4)}, 3)
 
 
-def _closed_array_row_fn(p: dict) -> Callable:
-    def row_fn(r: dict, x: jax.Array) -> jax.Array:  # closes over an array indexed per row
-        return p["gain"][r["idx"]] * jnp.dot(los_weights(r, p["bounds"]), x[r["idx"]])
+def make_complex():
+    """A complex input and complex weights (their phase closed over)."""
 
-    return row_fn
+    def make_row_fn(p):
+        def row_fn(r, x):
+            return jnp.dot(los_weights(r) * jnp.exp(1j * p["phase"]), x[r["idx"]])
 
+        return row_fn
 
-def _closed_scalar_row_fn(p: dict) -> Callable:
-    scale = p["scale"]
-
-    def row_fn(r: dict, x: jax.Array) -> jax.Array:
-        return scale * los_row(r, x) + scale**2 * x[r["idx"], 0]
-
-    return row_fn
+    struct = jax.ShapeDtypeStruct((NPIX, K), jnp.complex64)
+    return Case("complex", make_row_fn, lambda p: ROWS, struct, {"phase": jnp.linspace(0.0, 1.0, K, dtype=jnp.float32)})
 
 
-def _int_rows_closure_row_fn(p: dict) -> Callable:
-    def row_fn(r: dict, x: jax.Array) -> jax.Array:  # int-only rows, weights from the closure
-        return p["w"][r["k"]] * x[r["idx"], r["k"]]
+def make_complex_out():
+    """A real input and complex outputs: ``as_matrix`` is the complex coefficient matrix. The
+    rows are a single array (the phases, ``p``). Chunks of 16 >= 10 rows: one chunk."""
+    row_fn = lambda ph, x: jnp.exp(1j * ph) * jnp.sum(x[1]) + ph * x[2, 0]
+    return Case("complex_out", lambda p: row_fn, lambda p: p, STRUCT, rand(N, seed=10), 16)
 
-    return row_fn
+
+def make_closed_arrays():
+    """Closes over arrays: a per-pixel gain (indexed per row) and the bin edges."""
+
+    def make_row_fn(p):
+        def row_fn(r, x):
+            return p["gain"][r["idx"]] * jnp.dot(los_weights(r, p["bounds"]), x[r["idx"]])
+
+        return row_fn
+
+    gain = jnp.linspace(0.5, 2.0, NPIX, dtype=jnp.float32)
+    return Case("closed_arrays", make_row_fn, lambda p: ROWS, STRUCT, {"gain": gain, "bounds": BOUNDS})
 
 
-CASES: dict[str, Case] = {
-    # the canonical problem; p enters through rows (d and s)
-    "los": Case(
-        _los_through_rows, lambda p: {**ROWS, "d": p["d"], "s": p["s"]}, STRUCT, {"d": ROWS["d"], "s": ROWS["s"]}
-    ),
-    # pytree x and pytree per-row output, closing over a scalar parameter
-    "pytree": Case(_pytree_row_fn, lambda p: ROWS, PSTRUCT, {"c": jnp.float32(0.7)}),
-    # complex x and weights (phase closed over)
-    "complex": Case(_complex_row_fn, lambda p: ROWS, CSTRUCT, {"phase": jnp.linspace(0.0, 1.0, K, dtype=jnp.float32)}),
-    # closes over arrays (a per-pixel gain and the bin edges)
-    "closed_arrays": Case(_closed_array_row_fn, lambda p: ROWS, STRUCT, {"gain": GAIN, "bounds": BOUNDS}),
-    # closes over a scalar (traced when differentiated) used non-linearly
-    "closed_scalar": Case(_closed_scalar_row_fn, lambda p: ROWS, STRUCT, {"scale": jnp.float32(1.5)}),
-    # int-only rows: every float comes from the closure
-    "int_rows": Case(
-        _int_rows_closure_row_fn,
-        lambda p: {"idx": ROWS["idx"], "k": jnp.arange(N, dtype=jnp.int32) % K},
-        STRUCT,
-        {"w": jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float32)},
-        chunk=3,
-    ),
-}
+def make_closed_scalar():
+    """Closes over a scalar (a tracer when differentiated), used non-linearly. Chunks of 3."""
+
+    def make_row_fn(p):
+        scale = p["scale"]
+        return lambda r, x: scale * los_row(r, x) + scale**2 * x[r["idx"], 0]
+
+    return Case("closed_scalar", make_row_fn, lambda p: ROWS, STRUCT, {"scale": jnp.float32(1.5)}, 3)
+
+
+def make_int_rows():
+    """Int-only rows: every float comes from the closure. Chunks of 3."""
+
+    def make_row_fn(p):
+        return lambda r, x: p["w"][r["k"]] * x[r["idx"], r["k"]]
+
+    rows = {"idx": ROWS["idx"], "k": jnp.arange(N, dtype=jnp.int32) % K}
+    return Case(
+        "int_rows", make_row_fn, lambda p: rows, STRUCT, {"w": jnp.asarray([1.0, -2.0, 0.5, 3.0], jnp.float32)}, 3
+    )
+
+
+def make_tuple_rows():
+    """Rows as a tuple ``(idx, d, s)`` instead of a dict. Chunks of 5 divide the rows."""
+    row_fn = lambda r, x: los_row({"idx": r[0], "d": r[1], "s": r[2]}, x)
+    return Case("tuple_rows", lambda p: row_fn, lambda p: (ROWS["idx"], p[0], p[1]), STRUCT, (ROWS["d"], ROWS["s"]), 5)
+
+
+def make_array_rows():
+    """Rows as one ``(n, K)`` array of dense weights, all on pixel 0: the transpose fills one row
+    of the sky and zeros elsewhere. One chunk."""
+    row_fn = lambda w, x: w @ x[0]
+    return Case("array_rows", lambda p: row_fn, lambda p: p, STRUCT, jax.vmap(los_weights)(ROWS), 16)
+
+
+def make_square(n: int = 6, chunk: int = 4):
+    """A square operator on a 1-D input (``n`` rows, ``n`` unknowns), so that it may carry
+    symmetric and triangular tags and has a diagonal: each row gathers three random entries and
+    adds twice its own; ``p`` (the gather weights) enters through the rows. Any size
+    (``lineax.diagonal`` is measured at 8192 rows)."""
+    rng = np.random.default_rng(0)
+    rows = {"i": jnp.asarray(rng.integers(0, n, (n, 3)), jnp.int32), "r": jnp.arange(n, dtype=jnp.int32)}
+    row_fn = lambda r, x: jnp.dot(r["w"], x[r["i"]]) + 2.0 * x[r["r"]]
+    w = jnp.asarray(rng.normal(size=(n, 3)), jnp.float32)
+    return Case(
+        "square", lambda p: row_fn, lambda p: {**rows, "w": p}, jax.ShapeDtypeStruct((n,), jnp.float32), w, chunk
+    )
+
+
+make_operators: list[Callable[[], Case]] = [
+    make_los,
+    make_well_conditioned,
+    make_pytree,
+    make_vector_out,
+    make_complex,
+    make_complex_out,
+    make_closed_arrays,
+    make_closed_scalar,
+    make_int_rows,
+    make_tuple_rows,
+    make_array_rows,
+    make_square,
+]
+OPERATOR_IDS = [make.__name__.removeprefix("make_") for make in make_operators]

@@ -13,27 +13,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-
-import chunkop
+from operator_registry import make_los
 
 NPIX, K, CHUNK = 20000, 256, 4096
 N_SMALL, N_BIG = 16384, 262144
 MiB = 2**20
-BOUNDS = jnp.geomspace(40.0, 1700.0, K + 1).astype(jnp.float32)
-X = jax.ShapeDtypeStruct((NPIX, K), jnp.float32)
-
-
-def los_row(r, x):
-    w = -jnp.diff(jnp.exp(-(r["d"] - BOUNDS) / (r["d"] * r["s"] * BOUNDS)))
-    return jnp.dot(w, x[r["idx"]])
+LOS = make_los(n=1, npix=NPIX, k=K, chunk=CHUNK)  # the registry's line-of-sight operator, at scale
+X = LOS.in_structure
 
 
 def rows_struct(n):
-    return {
-        "idx": jax.ShapeDtypeStruct((n,), jnp.int32),
-        "d": jax.ShapeDtypeStruct((n,), jnp.float32),
-        "s": jax.ShapeDtypeStruct((n,), jnp.float32),
-    }
+    return jax.eval_shape(lambda: make_los(n=n, npix=NPIX, k=K).rows)  # (nothing is computed)
 
 
 def vec(n):
@@ -42,14 +32,10 @@ def vec(n):
 
 def functions(chunked, chunk=CHUNK):
     def mv(rows, x):
-        if chunked:
-            return chunkop.RowOperator(los_row, rows, X, chunk_size=chunk).mv(x)
-        return jax.vmap(los_row, (0, None))(rows, x)
+        return LOS.op(rows=rows, chunk=chunk).mv(x) if chunked else LOS.ref_mv(x, rows=rows)
 
     def rmv(rows, y):
-        if chunked:
-            return chunkop.RowOperator(los_row, rows, X, chunk_size=chunk).T.mv(y)
-        return jax.linear_transpose(lambda v: jax.vmap(los_row, (0, None))(rows, v), X)(y)[0]
+        return LOS.op(rows=rows, chunk=chunk).T.mv(y) if chunked else LOS.ref_T(y, rows=rows)
 
     def loss(rows, x, b):
         return jnp.sum((mv(rows, x) - b) ** 2)

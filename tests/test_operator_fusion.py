@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_tree_allclose, primitive_names
-from jax.flatten_util import ravel_pytree
+from operator_registry import dense_matrix
 
 import chunkop
 from chunkop import _chunking, _rows
@@ -69,8 +69,7 @@ def ref(rows, x):
 
 
 def dense(rows):
-    flat, unravel = ravel_pytree(X)
-    return jax.jacfwd(lambda f: ref(rows, unravel(f)))(flat)
+    return dense_matrix(literal_row, rows, X_STRUCT)
 
 
 # -- values -----------------------------------------------------------------------------------
