@@ -230,15 +230,6 @@ def test_compiled_temp_memory_is_unchanged():
         assert temps["off"] <= temps["on"] <= temps["off"] + 4 * n_full + 1024, (make.__name__, temps)
 
 
-def test_bad_progress_argument():
-    with pytest.raises(TypeError, match="`progress` must be"):
-        chunkop.vmap(jnp.sin, chunk_size=2, progress="yes")
-    with pytest.raises(TypeError, match=r"chunkop\.sum: `progress`"):
-        chunkop.sum(jnp.sin, chunk_size=2, progress=3)
-    with pytest.raises(TypeError, match=r"chunkop\.map: `progress`"):
-        chunkop.map(jnp.sin, jnp.ones(4), chunk_size=2, progress=1.5)
-
-
 def _without_tqdm(monkeypatch):
     real_import = builtins.__import__
 
@@ -410,11 +401,6 @@ def test_row_operator_kernels_report_and_results_are_unchanged(jit):
     assert rec.calls == 2 * [(k, 5) for k in range(1, 6)]  # 4 chunks of 5 + a remainder of 3, twice
     assert "chunkop_progress" not in primitive_names(jax.make_jaxpr(lambda v: ref.mv(v))(x))
     assert "chunkop_progress" in primitive_names(jax.make_jaxpr(lambda v: A.mv(v))(x))
-
-
-def test_row_operator_bad_progress_argument():
-    with pytest.raises(TypeError, match=r"RowOperator: `progress` must be None, True/False or a callable"):
-        _row_operator("yes")
 
 
 def test_integer_and_key_outputs_report_and_are_unchanged():
