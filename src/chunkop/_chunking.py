@@ -178,8 +178,8 @@ def fusion_barrier(chunk: Any, key: jax.Array | None = None) -> Any:
         return chunk
     leaves, tree = jax.tree_util.tree_flatten(chunk)
     gated = [i for i, a in enumerate(leaves) if _is_plain(a)]
-    pred = _always_true([leaves[i] for i in gated] if key is None else [key])
-    if pred is None or not gated:
+    pred = _always_true([leaves[i] for i in gated] if key is None else [key]) if gated else None
+    if pred is None:
         return chunk
     through = jax.lax.cond(
         pred, lambda ls: list(ls), lambda ls: [jnp.zeros_like(a) for a in ls], [leaves[i] for i in gated]
@@ -201,10 +201,10 @@ def _full_chunks(
     chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat
 ) -> tuple[Any, Callable[[Any], Any]]:
     """What the scan runs over, and the (rematerialised) body applied to one item of it."""
+    index = jnp.arange(plan.n_full, dtype=jnp.int32)  # (also the barrier's predicate: never batched)
     if plan.rem == 0 or remat is False:  # (without remat the residuals cost far more than a copy)
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
-        index = jnp.arange(plan.n_full, dtype=jnp.int32)  # (the barrier's predicate: never batched)
         apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)
         return (xs, index), rematerialise(apply, remat)
 
@@ -213,7 +213,7 @@ def _full_chunks(
         chunk = [jax.lax.dynamic_slice_in_dim(x, start, plan.chunk, axis=0) for x in mapped]
         return chunk_fn(fusion_barrier(chunk, key=i), plan.chunk)
 
-    return jnp.arange(plan.n_full, dtype=jnp.int32), rematerialise(read_and_apply, remat)
+    return index, rematerialise(read_and_apply, remat)
 
 
 def _remainder(chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat) -> Any:

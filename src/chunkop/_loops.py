@@ -21,7 +21,7 @@ from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunk
 from ._progress import Progress
 from ._trace import eval_traced
 
-__all__ = ["KINDS", "LoopSpec", "make_loop", "refusing_derivatives", "result_dtype"]
+__all__ = ["KINDS", "LoopSpec", "finish_sums", "make_loop", "refusing_derivatives", "result_dtype", "sum_dtypes"]
 
 #: The kinds of chunked transform: how chunk outputs combine.
 KINDS = ("stack", "sum", "mean")
@@ -42,6 +42,21 @@ def result_dtype(kind: str, dtype: Any) -> Any:
     """The dtype a ``"sum"``/``"mean"`` of outputs of ``dtype`` has (``jnp.sum``'s / ``jnp.mean``'s)."""
     reduce = jnp.mean if kind == "mean" else jnp.sum
     return jax.eval_shape(lambda o: reduce(o, 0), jax.ShapeDtypeStruct((1,), dtype)).dtype
+
+
+def sum_dtypes(kind: str, out_leaves: list) -> tuple[list, list]:
+    """The result dtypes of a ``"sum"``/``"mean"`` of outputs like ``out_leaves`` (``jnp.sum``'s /
+    ``jnp.mean``'s), and the dtypes the chunk sums accumulate in (float32 for half precision)."""
+    final = [result_dtype(kind, s.dtype) for s in out_leaves]
+    return final, [accumulation_dtype(d) for d in final]
+
+
+def finish_sums(totals: list, kind: str, size: int, final: list) -> list:
+    """The accumulated ``totals`` over an axis of ``size`` as the result: divided by ``size`` for
+    ``"mean"`` (in the totals' own, inexact, dtype), cast to the ``final`` dtypes."""
+    if kind == "mean":
+        totals = [t / jnp.asarray(size, t.dtype) for t in totals]
+    return [t.astype(d) for t, d in zip(totals, final)]
 
 
 def _chunk_vmap(jaxpr: Any, spec: LoopSpec, wide: list, consts: list, out_axes: Any, m: int) -> Callable:
@@ -97,8 +112,7 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
 
 def _sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callable[[list, list], Any]:
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-    final = [result_dtype(kind, s.dtype) for s in out_leaves]
-    acc = [accumulation_dtype(d) for d in final]
+    final, acc = sum_dtypes(kind, out_leaves)
     plan = spec.plan
 
     def loop(consts: list, mapped: list) -> Any:
@@ -110,9 +124,7 @@ def _sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callabl
 
         init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
         total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
-        if kind == "mean":  # the totals are inexact (see result_dtype): divide in their own dtype
-            total = [t / jnp.asarray(plan.size, t.dtype) for t in total]
-        return jax.tree_util.tree_unflatten(out_tree, [t.astype(d) for t, d in zip(total, final)])
+        return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, plan.size, final))
 
     return loop
 

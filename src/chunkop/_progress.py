@@ -71,6 +71,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from ._tree import has_shape
 from ._tree import is_float as _is_float
 
 __all__ = [
@@ -478,7 +479,7 @@ def _report(loop: _Loop, k: Any, out: Any) -> Any:
     """``out`` (a pytree) passed through the tap with chunk number ``k``: its float leaves (else
     its first other array, else the data of its first PRNG key array)."""
     leaves, tree = jax.tree_util.tree_flatten(out)
-    arrays = [i for i, x in enumerate(leaves) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    arrays = [i for i, x in enumerate(leaves) if has_shape(x)]
     keys = [i for i in arrays if jax.dtypes.issubdtype(leaves[i].dtype, jax.dtypes.prng_key)]
     floats = [i for i in arrays if i not in keys and jnp.issubdtype(leaves[i].dtype, jnp.inexact)]
     idx = floats or [i for i in arrays if i not in keys][:1] or keys[:1]  # (keys: their key data)

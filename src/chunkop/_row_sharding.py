@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cache import register_cache
-from ._sharding import _LOCAL, MeshAxes, _conform, _explicit, _inside_local, mapped_mesh_axes, spec_at
+from ._sharding import MeshAxes, _conform, _explicit, _inside_local, in_local_body, mapped_mesh_axes, spec_at
 
 __all__ = [
     "row_mesh",
@@ -91,7 +91,7 @@ def operator_mesh(op: Any) -> MeshAxes | None:
         A :class:`chunkop._sharding.MeshAxes`, or None for rows on one device.
     """
     found = row_mesh(op.rows)
-    if found is None and not getattr(_LOCAL, "active", False):
+    if found is None and not in_local_body():
         found = getattr(op, "mesh_axes", None)
     return found
 

@@ -65,6 +65,11 @@ def _inside_local():
         _LOCAL.active = prev
 
 
+def in_local_body() -> bool:
+    """Whether a device-local body (:func:`_inside_local`) is being traced."""
+    return getattr(_LOCAL, "active", False)
+
+
 def _sharding_of(x: Any) -> NamedSharding | None:
     if isinstance(x, jax.core.Tracer):
         try:
@@ -113,7 +118,7 @@ def mapped_mesh_axes(
     Raises:
         ValueError: when mapped inputs are sharded over different mesh axes or meshes.
     """
-    if getattr(_LOCAL, "active", False):
+    if in_local_body():
         return None
     found: MeshAxes | None = None
     for x, a in zip(leaves, axes):

@@ -37,10 +37,11 @@ from ._axes import (
     replace_at,
 )
 from ._cache import Uncacheable, cached, setting_key
-from ._chunking import Remat, accumulation_dtype, make_plan
-from ._loops import KINDS, LoopSpec, make_loop, refusing_derivatives, result_dtype
+from ._chunking import Remat, make_plan
+from ._loops import KINDS, LoopSpec, finish_sums, make_loop, refusing_derivatives, sum_dtypes
 from ._progress import Progress, check_progress
 from ._trace import Traced, trace_example
+from ._tree import has_shape
 
 __all__ = ["Chunked", "chunked"]
 
@@ -152,8 +153,7 @@ class Chunked:
             raise ValueError(
                 f"{self.where}: `fun` uses {used}, but the mapped inputs are sharded over mesh axes "
                 f"{names} of {shards} devices, so each device would see only its own shard ({local} of "
-                f"{n}) and, with "
-                f"chunk_size={chunk}, only a chunk of it: a silently wrong result. Use "
+                f"{n}) and, with chunk_size={chunk}, only a chunk of it: a silently wrong result. Use "
                 f"chunk_size=None (exactly jax.vmap), replicate the inputs, or compute the "
                 f"reduction with chunkop.sum."
             ) from None
@@ -191,11 +191,9 @@ class Chunked:
             return self.last_plan
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:
+            call, inputs = self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)
             try:
-                jax.eval_shape(
-                    lambda *d: self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)(*d),
-                    *self._sharded_inputs(leaves, axes, sharded)[1],
-                )
+                jax.eval_shape(call, *inputs)
             except _Fallback:
                 pass  # a collective over axis_name: unchunked (last_plan says so)
             return self.last_plan
@@ -240,27 +238,24 @@ class Chunked:
             )
         return shards
 
-    def _sharded_inputs(self, leaves: list, axes: list, mesh_axes: Any) -> tuple[list, list, list]:
-        """The array leaves a ``shard_map`` takes (mapped ones split along their axis, the
-        others replicated): their positions, values and specs. Other leaves (Python numbers,
+    def _sharded_specs(self, leaves: list, axes: list, mesh_axes: Any) -> tuple[list, list]:
+        """The leaves a ``shard_map`` takes, the array-like ones (mapped ones split along their
+        axis, the others replicated): their positions and specs. Other leaves (Python numbers,
         strings ...) reach ``fun`` as themselves."""
-        at = [
-            i for i, x in enumerate(leaves) if isinstance(x, jax.Array) or (hasattr(x, "shape") and hasattr(x, "dtype"))
-        ]
-        specs = [P() if axes[i] is None else _sharding.spec_at(axes[i], mesh_axes.names) for i in at]
-        return at, _sharding._conform([leaves[i] for i in at], specs, mesh_axes), specs
+        at = [i for i, x in enumerate(leaves) if has_shape(x)]
+        return at, [P() if axes[i] is None else _sharding.spec_at(axes[i], mesh_axes.names) for i in at]
 
     def _shard_mapped(
         self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any, plan_only: bool = False
-    ) -> Callable:
-        """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard: ``fun``
-        traced once there (axis-size queries give the whole axis), the plan made for the
-        shard, one loop. Sums and means are combined over the devices (``psum``/``pmean``);
-        stacked outputs come back along the mapped axis. Raises :class:`_Fallback` while
-        tracing when the call must run without ``shard_map`` (see there)."""
+    ) -> tuple[Callable, list]:
+        """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard, and its inputs
+        (resharded to its specs): ``fun`` traced once there (axis-size queries give the whole
+        axis), the plan made for the shard, one loop. Sums and means are combined over the
+        devices (``psum``/``pmean``); stacked outputs come back along the mapped axis. Raises
+        :class:`_Fallback` while tracing when the call must run without ``shard_map``."""
         shards = self._check_even(n, mesh_axes)
         names = mesh_axes.names
-        at, _, specs = self._sharded_inputs(leaves, axes, mesh_axes)
+        at, specs = self._sharded_specs(leaves, axes, mesh_axes)
         mapped_at = [i for i, a in enumerate(axes) if a is not None]
         found: dict = {}
 
@@ -307,15 +302,15 @@ class Chunked:
             flat = [next(unmapped) if a is None else jnp.moveaxis(next(stacked), 0, a) for a in found["oaxes"]]
             return jax.tree_util.tree_unflatten(found["tree"], flat)
 
-        return call
+        return call, _sharding._conform([leaves[i] for i in at], specs, mesh_axes)
 
     def _call_sharded(
         self, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any
     ) -> Any:
         """Each device chunks its own shard of the mapped axis (see :meth:`_shard_mapped`)."""
-        call = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
+        call, inputs = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
         try:
-            return call(*self._sharded_inputs(leaves, axes, mesh_axes)[1])
+            return call(*inputs)
         except _Fallback as e:
             traced = e.args[0]
         if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
@@ -382,15 +377,9 @@ class Chunked:
                 for k, a in enumerate(oaxes)
             ]
             return jax.tree_util.tree_unflatten(out_tree, joined)
-        totals = []
-        for k, s in enumerate(out_leaves):
-            final = result_dtype(self.kind, s.dtype)
-            acc = accumulation_dtype(final)
-            total = sum(jnp.sum(c[k], axis=0, dtype=acc) for c in chunks)
-            if self.kind == "mean":
-                total = total / jnp.asarray(n, acc)
-            totals.append(total.astype(final))
-        return jax.tree_util.tree_unflatten(out_tree, totals)
+        final, acc = sum_dtypes(self.kind, out_leaves)
+        totals = [sum(jnp.sum(c[k], axis=0, dtype=d) for c in chunks) for k, d in enumerate(acc)]
+        return jax.tree_util.tree_unflatten(out_tree, finish_sums(totals, self.kind, n, final))
 
 
 class _Fallback(Exception):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["dtype_of", "is_float", "struct_of", "zeros_of"]
+__all__ = ["dtype_of", "has_shape", "is_float", "struct_of", "zeros_of"]
 
 
 def dtype_of(x: Any) -> np.dtype:
@@ -27,6 +27,12 @@ def dtype_of(x: Any) -> np.dtype:
     or Python/NumPy scalar (its JAX result type)."""
     x = getattr(x, "aval", x) if type(x).__name__ == "UndefinedPrimal" else x
     return jnp.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+
+
+def has_shape(x: Any) -> bool:
+    """Whether ``x`` is array-like with a shape and dtype (a JAX or NumPy array, a tracer, a NumPy
+    scalar), as opposed to a Python number or another object."""
+    return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def is_float(x: Any) -> bool:
