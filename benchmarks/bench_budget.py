@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import chunkop
-from chunkop import _operator_plan
+from chunkop._operator import row_plan as _operator_plan
 
 MiB = 2**20
 

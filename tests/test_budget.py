@@ -14,7 +14,8 @@ import pytest
 from conftest import assert_tree_allclose, make_los_rows, primitive_names
 
 import chunkop
-from chunkop import _memory, _operator_plan, _search
+from chunkop import _memory, _search
+from chunkop._operator import row_plan as _operator_plan
 
 MiB = 2**20
 

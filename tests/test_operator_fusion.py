@@ -28,7 +28,8 @@ from conftest import assert_tree_allclose, primitive_names
 from operator_registry import dense_matrix
 
 import chunkop
-from chunkop import _chunking, _rows
+from chunkop import _chunking
+from chunkop._operator import kernels as _rows
 
 NPIX, K = 13, 32
 EDGES = np.geomspace(40.0, 1700.0, K + 1)

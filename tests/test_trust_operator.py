@@ -34,7 +34,7 @@ from operator_registry import (
 )
 
 import chunkop
-from chunkop import _rows
+from chunkop._operator import kernels as _rows
 
 X = rand(NPIX, K, seed=1)
 Y = rand(len(ROWS["idx"]), seed=2)
@@ -369,7 +369,7 @@ def test_check_linear_passes_linear_operators_in_every_dtype(dtype):
             for k in range(3):
                 errors = chunkop.check_linear(A, key=jax.random.key(k))
                 assert set(errors) == ERROR_NAMES
-                assert all(0.0 <= e <= chunkop._checks.default_rtol(dtype) for e in errors.values()), errors
+                assert all(0.0 <= e <= chunkop._operator.checks.default_rtol(dtype) for e in errors.values()), errors
             assert chunkop.check_linear(A.T, key=jax.random.key(2)) == errors
             if dtype == jnp.float32:  # an explicit tolerance; and far within it
                 assert max(chunkop.check_linear(A, key=jax.random.key(3), rtol=1e-4).values()) < 1e-5

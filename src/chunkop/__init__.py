@@ -1,14 +1,14 @@
 """chunkop: chunked, memory-bounded vmap and implicit chunked linear operators for JAX."""
 
-from . import _lineax  # noqa: F401  (registers RowOperator with lineax)
 from ._budget import BudgetPlan, plan
 from ._cache import clear_caches
-from ._checks import check_linear
-from ._gram import gram_diagonal
 from ._jacobian import jacfwd, jacrev
-from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator
+from ._operator import lineax_rules  # noqa: F401  (registers RowOperator with lineax)
+from ._operator.checks import check_linear
+from ._operator.gram import gram_diagonal
+from ._operator.row_operator import AbstractRowOperator, RowOperator, TransposedRowOperator
+from ._operator.scipy_view import to_scipy
 from ._reduce import mean, sum
-from ._scipy import to_scipy
 from ._settings import Settings, configure, settings
 from ._vmap import map, vmap
 

@@ -12,7 +12,7 @@ traced (:func:`plan_traced`) and the public :func:`plan`. The parts it is built 
   (:func:`choose_chunk`), and the :class:`BudgetPlan` it returns;
 - :mod:`chunkop._estimate`: the compile-free estimate used on CPU under the throughput cap;
 - :func:`chunkop._cache.cached_plan`: the plans, cached per call signature;
-- :mod:`chunkop._operator_plan`: the plan of a ``RowOperator`` built with ``chunk_size="auto"``.
+- :mod:`chunkop._operator.row_plan`: the plan of a ``RowOperator`` built with ``chunk_size="auto"``.
 """
 
 from __future__ import annotations

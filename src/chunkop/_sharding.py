@@ -15,7 +15,7 @@ Unmapped arguments are passed replicated. Under ``jax.jit`` on an Auto mesh the 
 carry no sharding, so there is nothing to detect: use an Explicit mesh (``jax.make_mesh``'s
 default) or call outside ``jit`` with sharded arrays.
 
-The row-sharded kernels of :class:`chunkop.RowOperator` are in :mod:`chunkop._row_sharding`;
+The row-sharded kernels of :class:`chunkop.RowOperator` are in :mod:`chunkop._operator.row_sharding`;
 they use this module's :class:`MeshAxes` and its resharding to a ``shard_map``'s specs. The
 ``shard_map`` of the chunked transforms is built by :class:`chunkop._transform.Chunked`.
 """
@@ -154,7 +154,7 @@ def spec_at(axis: int, names: tuple) -> P:
 
 
 # ----------------------------------------------------------------------------------------------
-# RowOperator with rows sharded along the row axis: moved to _row_sharding.py. Here: resharding
+# RowOperator with rows sharded along the row axis: in _operator/row_sharding.py. Here: resharding
 # to the specs a shard_map expects on an Explicit mesh (the transforms' dispatch and the
 # row-sharded kernels both use it).
 

@@ -14,9 +14,10 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from . import _budget, _operator_plan, _row_sharding, _rows
-from ._progress import Progress, check_progress
-from ._vmap import vmap
+from .. import _budget
+from .._progress import Progress, check_progress
+from .._vmap import vmap
+from . import kernels, row_plan, row_sharding
 
 __all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
 
@@ -159,7 +160,7 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
         structs = jax.tree_util.tree_map(
             lambda s: jax.ShapeDtypeStruct((self.n_rows,) + tuple(s.shape), s.dtype), per_row
         )
-        return _row_sharding.with_sharding(structs, self, rows=True)  # Explicit-mesh row sharding
+        return row_sharding.with_sharding(structs, self, rows=True)  # Explicit-mesh row sharding
 
     def as_matrix(self) -> jax.Array:
         """The dense ``(out_size, in_size)`` matrix, materialised one chunk of rows at a time.
@@ -243,9 +244,9 @@ class RowOperator(AbstractRowOperator):
 
     rows: Any
     consts: tuple
-    spec: _rows.Spec = eqx.field(static=True)
+    spec: kernels.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
-    mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see _row_sharding)
+    mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see row_sharding)
     out_sharding: str = eqx.field(static=True, default="rows")  # "rows" or "replicated"
     budget_plan: Any = eqx.field(static=True, default=None)  # chunk_size="auto": see chunkop.plan
 
@@ -310,11 +311,11 @@ class RowOperator(AbstractRowOperator):
             chunk_size = 1  # nothing to plan: no row, no chunk
         if chunk_size == "auto":
             x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
-            self.budget_plan = _operator_plan.plan_rows(row_fn, rows, x_struct, memory_budget)
+            self.budget_plan = row_plan.plan_rows(row_fn, rows, x_struct, memory_budget)
             chunk_size = self.budget_plan.chunk or n_rows
-        self.mesh_axes = _row_sharding.row_mesh(rows)
-        with _row_sharding.spec_context(rows):  # rows over devices: trace without a mesh context
-            self.spec, self.consts = _rows.make_spec(
+        self.mesh_axes = row_sharding.row_mesh(rows)
+        with row_sharding.spec_context(rows):  # rows over devices: trace without a mesh context
+            self.spec, self.consts = kernels.make_spec(
                 row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
             )
         self.rows = rows
@@ -336,27 +337,27 @@ class RowOperator(AbstractRowOperator):
 
     def in_structure(self) -> Any:
         """The structure of ``x``: a pytree of ``jax.ShapeDtypeStruct``."""
-        return _row_sharding.with_sharding(self.spec.in_structure(), self, rows=False)
+        return row_sharding.with_sharding(self.spec.in_structure(), self, rows=False)
 
     def out_structure(self) -> Any:
         """The structure of ``A x``: ``row_fn``'s output with a leading axis of ``n_rows``
         (recorded when ``row_fn`` was traced, at construction)."""
-        return _row_sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
+        return row_sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
 
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
-        if (mesh_axes := _row_sharding.operator_mesh(self)) is not None:  # rows sharded over devices
-            out = _row_sharding.sharded_apply(_rows.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
-            return _row_sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
-        return _rows.apply(self.spec, self.consts, self.rows, vector)
+        if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # rows sharded over devices
+            out = row_sharding.sharded_apply(kernels.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
+            return row_sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
+        return kernels.apply(self.spec, self.consts, self.rows, vector)
 
     def apply_transpose(self, vector: Any) -> Any:
         """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
-        if (mesh_axes := _row_sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
-            return _row_sharding.sharded_apply(
-                _rows.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes, transpose=True
+        if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
+            return row_sharding.sharded_apply(
+                kernels.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes, transpose=True
             )
-        return _rows.apply_transpose(self.spec, self.consts, self.rows, vector)
+        return kernels.apply_transpose(self.spec, self.consts, self.rows, vector)
 
 
 class TransposedRowOperator(lx.AbstractLinearOperator):

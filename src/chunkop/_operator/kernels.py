@@ -40,13 +40,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-from . import _jaxpr
-from ._cache import Uncacheable, jaxpr_key, setting_key
-from ._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
-from ._progress import Progress
-from ._tree import dtype_of as _dtype
-from ._tree import is_float as _is_float
-from ._tree import zeros_of as _zeros
+from .. import _jaxpr
+from .._cache import Uncacheable, jaxpr_key, setting_key
+from .._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
+from .._progress import Progress
+from .._tree import dtype_of as _dtype
+from .._tree import is_float as _is_float
+from .._tree import zeros_of as _zeros
 
 __all__ = ["Spec", "make_spec", "apply", "apply_transpose"]
 

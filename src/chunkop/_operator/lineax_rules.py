@@ -14,8 +14,8 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ._operator import AbstractRowOperator, RowOperator, TransposedRowOperator, row_form
-from ._vmap import vmap
+from .._vmap import vmap
+from .row_operator import AbstractRowOperator, RowOperator, TransposedRowOperator, row_form
 
 __all__: list[str] = []
 

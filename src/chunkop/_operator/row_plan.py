@@ -15,13 +15,14 @@ from typing import Any
 
 import jax
 
-from . import _estimate, _rows
-from ._budget import check_memory_budget
-from ._cache import cached_plan
-from ._memory import default_budget, program_temp_bytes, throughput_cap
-from ._row_sharding import row_mesh
-from ._search import BudgetPlan, choose_chunk
-from ._tree import struct_of as _struct
+from .. import _estimate
+from .._budget import check_memory_budget
+from .._cache import cached_plan
+from .._memory import default_budget, program_temp_bytes, throughput_cap
+from .._search import BudgetPlan, choose_chunk
+from .._tree import struct_of as _struct
+from . import kernels
+from .row_sharding import row_mesh
 
 __all__ = ["rows_temp_bytes", "plan_rows"]
 
@@ -44,18 +45,18 @@ def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) 
     row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
     row_structs = [_struct(x) for x in row_leaves]
     x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
-    spec, consts = _rows.make_spec(row_fn, jax.tree_util.tree_unflatten(row_tree, row_structs), in_structure, chunk)
+    spec, consts = kernels.make_spec(row_fn, jax.tree_util.tree_unflatten(row_tree, row_structs), in_structure, chunk)
     k, r = len(consts), len(row_structs)
 
     def mv(*flat: Any) -> Any:
         rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
-        return _rows.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
+        return kernels.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
 
     y_leaves, y_tree = jax.tree_util.tree_flatten(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
 
     def tmv(*flat: Any) -> Any:
         rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
-        return _rows.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
+        return kernels.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
 
     return max(
         program_temp_bytes(mv, [*consts, *row_structs, *x_leaves], "grad"),
@@ -93,7 +94,7 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
     cap = throughput_cap()
 
     # the same row_fn (by its traced jaxpr), row and x shapes, budget and device kind: the same plan
-    spec, _ = _rows.make_spec(row_fn, local_rows, in_structure, 1)
+    spec, _ = kernels.make_spec(row_fn, local_rows, in_structure, 1)
 
     def compute() -> BudgetPlan:
         temp = lambda chunk: rows_temp_bytes(row_fn, local_rows, in_structure, chunk)

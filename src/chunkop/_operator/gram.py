@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ._operator import AbstractRowOperator, RowOperator, linear_jacobian, row_form
-from ._reduce import sum as chunked_sum
+from .._reduce import sum as chunked_sum
+from .row_operator import AbstractRowOperator, RowOperator, linear_jacobian, row_form
 
 __all__ = ["gram_diagonal"]
 

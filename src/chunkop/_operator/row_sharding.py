@@ -27,8 +27,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._cache import register_cache
-from ._sharding import MeshAxes, _conform, _explicit, _inside_local, in_local_body, mapped_mesh_axes, spec_at
+from .._cache import register_cache
+from .._sharding import MeshAxes, _conform, _explicit, _inside_local, in_local_body, mapped_mesh_axes, spec_at
 
 __all__ = [
     "row_mesh",

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._operator import AbstractRowOperator, TransposedRowOperator, row_form
-from ._vmap import vmap as chunked_vmap
+from .._vmap import vmap as chunked_vmap
+from .row_operator import AbstractRowOperator, TransposedRowOperator, row_form
 
 __all__ = ["check_linear", "default_rtol"]
 
