@@ -24,11 +24,13 @@ NAMES = [
     "vmap_spmd_axis_name_auto_under_jit",
     "vmap_axis_name_collective_on_shards_refused",
     "vmap_same_function_on_two_meshes",
+    "eager_sharded_calls_compile_once_per_key",
     "vmap_sum_mapped_axis_on_a_other_axis_on_b",
     "check_linear_of_sharded_rows_inside_set_mesh",
     "map_sharded",
     "sum_mean_values_grad_one_allreduce",
     "sum_spmd_axis_name_auto_under_jit",
+    "operator_eager_calls_compile_once_per_key",
     "operator_sharded_rows_explicit",
     "operator_sharded_rows_auto",
 ]

@@ -13,6 +13,8 @@ says how the chunk outputs combine. Every call goes through one pipeline, each s
 
 No stage calls back into an earlier one: with sharded inputs the same trace is run, inside one
 ``jax.shard_map``, by a loop planned for each device's shard; the wrapper is never re-entered.
+Eagerly, that ``shard_map`` is traced and planned without compiling, then run by a program
+cached under the trace's by-value key (:func:`_sharded_program`), its constants passed in.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ class Chunked:
             return self.last_plan
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:
-            call, inputs = self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)
+            call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)
             try:
                 jax.eval_shape(call, *inputs)
             except _Fallback:
@@ -207,11 +209,7 @@ class Chunked:
 
     # -- stage 5 ---------------------------------------------------------------------------------
     def _run(self, traced: Traced, spec: LoopSpec, consts: list, mapped: list) -> Any:
-        make = functools.partial(make_loop, self.kind, traced.jaxpr, traced.out_shapes, spec)
-        loop = make() if traced.key is None else _cached_loop(self.kind, traced.key, spec, make)
-        if traced.derivative_error is not None:
-            loop = refusing_derivatives(loop, traced.derivative_error)
-        return loop(consts, mapped)
+        return _run_loop(self.kind, traced, spec, consts, mapped)
 
     def _passed_through(self, out: Any, traced: Traced) -> Any:
         """An unmapped output that is one of ``fun``'s unmapped inputs unchanged (a constant of
@@ -247,70 +245,48 @@ class Chunked:
 
     def _shard_mapped(
         self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any, plan_only: bool = False
-    ) -> tuple[Callable, list]:
-        """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard, and its inputs
-        (resharded to its specs): ``fun`` traced once there (axis-size queries give the whole
-        axis), the plan made for the shard, one loop. Sums and means are combined over the
-        devices (``psum``/``pmean``); stacked outputs come back along the mapped axis. Raises
-        :class:`_Fallback` while tracing when the call must run without ``shard_map``."""
+    ) -> tuple[Callable, list, dict]:
+        """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard, its inputs
+        (resharded to its specs) and what its trace found: ``fun`` traced once there
+        (axis-size queries give the whole axis), the plan made for the shard, one loop. With
+        ``plan_only`` the body stops after the plan and leaves ``found["prepared"] = (traced,
+        spec)``. Raises :class:`_Fallback` while tracing when the call must run without
+        ``shard_map``."""
         shards = self._check_even(n, mesh_axes)
-        names = mesh_axes.names
         at, specs = self._sharded_specs(leaves, axes, mesh_axes)
         mapped_at = [i for i, a in enumerate(axes) if a is not None]
         found: dict = {}
 
-        def body(*d: Any) -> Any:
+        def local_result(*d: Any) -> Any:
             local = replace_at(leaves, at, d)
-            traced = self._trace(local, treedef, axes, n, shards, names)
+            traced = self._trace(local, treedef, axes, n, shards, mesh_axes.names)
             if traced is None or not traced.stageable:
                 raise _Fallback(traced)
             mapped = [local[i] for i in mapped_at]
             spec = self._plan(traced, axes, n // shards, mapped, shards)
             if plan_only:
-                return ()
-            out = self._run(traced, spec, traced.consts, mapped)
-            if self.kind != "stack":
-                combine = jax.lax.psum if self.kind == "sum" else jax.lax.pmean
-                return jax.tree_util.tree_map(lambda o: combine(o, names), out)
-            outs, found["tree"] = jax.tree_util.tree_flatten(out)
-            found["oaxes"] = spec.out_axes
-            stacked = [jnp.moveaxis(o, a, 0) for o, a in zip(outs, spec.out_axes) if a is not None]
-            return stacked, [o for o, a in zip(outs, spec.out_axes) if a is None]
+                found["prepared"] = (traced, spec)
+                return None
+            return self._run(traced, spec, traced.consts, mapped), spec.out_axes
 
-        if plan_only:
-            out_specs: Any = ()
-        elif self.kind == "stack":  # (along the mapped axis, moved to the front; unmapped: replicated)
-            out_specs = (_sharding.spec_at(0, names), P())
-        else:
-            out_specs = P()
-        # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
-        # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
-        mapped_fn = jax.shard_map(
-            body,
-            mesh=mesh_axes.mesh,
-            in_specs=tuple(specs),
-            out_specs=out_specs,
-            axis_names=set(mesh_axes.mesh.axis_names),
-            check_vma=False,
-        )
-
-        def call(*d: Any) -> Any:
-            out = mapped_fn(*d)
-            if plan_only or self.kind != "stack":
-                return out
-            stacked, unmapped = iter(out[0]), iter(out[1])
-            flat = [next(unmapped) if a is None else jnp.moveaxis(next(stacked), 0, a) for a in found["oaxes"]]
-            return jax.tree_util.tree_unflatten(found["tree"], flat)
-
-        return call, _sharding._conform([leaves[i] for i in at], specs, mesh_axes)
+        call = _shard_map_call(self.kind, mesh_axes, specs, local_result, plan_only)
+        return call, _sharding._conform([leaves[i] for i in at], specs, mesh_axes), found
 
     def _call_sharded(
         self, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any
     ) -> Any:
-        """Each device chunks its own shard of the mapped axis (see :meth:`_shard_mapped`)."""
-        call, inputs = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
+        """Each device chunks its own shard of the mapped axis (see :meth:`_shard_mapped`).
+
+        Called eagerly (no input is a tracer), the ``shard_map`` is compiled once per key: the
+        body is traced and planned under ``jax.eval_shape`` (``fun`` traced once, nothing
+        compiled), and the compiled program, keyed like the loops by what was traced (by
+        value), takes the trace's constants as arguments. Under a trace (``jit``, ``grad`` ...)
+        the enclosing compilation already happens once: the body traces ``fun`` itself."""
         try:
-            return call(*inputs)
+            if any(isinstance(x, jax.core.Tracer) for x in leaves):
+                call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
+                return call(*inputs)
+            return self._call_sharded_eager(leaves, treedef, axes, n, mesh_axes)
         except _Fallback as e:
             traced = e.args[0]
         if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
@@ -318,6 +294,27 @@ class Chunked:
         # a custom rule closes over a tracer of an enclosing transform: no staging boundary
         chunk = n if self.chunk_size == "auto" else self.chunk_size
         return self._unstaged(leaves, treedef, axes, n, chunk, traced.out_shapes)
+
+    def _call_sharded_eager(self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any) -> Any:
+        """An eager sharded call: traced and planned once (no compile), then run by the cached
+        program for what was traced (see :func:`_sharded_program`)."""
+        plan_call, inputs, found = self._shard_mapped(leaves, treedef, axes, n, mesh_axes, plan_only=True)
+        jax.eval_shape(plan_call, *inputs)  # stages 3-4 on one device's shard (raises _Fallback)
+        traced, spec = found["prepared"]
+        if any(isinstance(c, jax.core.Tracer) for c in traced.consts):  # not expected eagerly
+            call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
+            return call(*inputs)
+        at, specs = self._sharded_specs(leaves, axes, mesh_axes)
+        mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
+        replicated = jax.sharding.NamedSharding(mesh_axes.mesh, P())
+        consts = [jax.device_put(c, replicated) for c in traced.consts]
+        consts = _sharding._conform(consts, [P()] * len(consts), mesh_axes)
+        make = functools.partial(
+            _sharded_program, self.kind, traced._replace(consts=[]), spec, mesh_axes, tuple(specs), mapped_k
+        )
+        key = _sharded_key(self.kind, traced, spec, mesh_axes, specs, mapped_k, inputs, consts, self.axis_name)
+        program = make() if key is None else cached(key, make)
+        return program(consts, inputs)
 
     # -- without a loop --------------------------------------------------------------------------
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
@@ -380,6 +377,123 @@ class Chunked:
         final, acc = sum_dtypes(self.kind, out_leaves)
         totals = [sum(jnp.sum(c[k], axis=0, dtype=d) for c in chunks) for k, d in enumerate(acc)]
         return jax.tree_util.tree_unflatten(out_tree, finish_sums(totals, self.kind, n, final))
+
+
+def _run_loop(kind: str, traced: Traced, spec: LoopSpec, consts: list, mapped: list) -> Any:
+    """Stage 5: the compiled loop of ``kind`` for ``traced`` and ``spec`` (cached when the trace
+    could be keyed), run on ``consts`` and the mapped leaves."""
+    make = functools.partial(make_loop, kind, traced.jaxpr, traced.out_shapes, spec)
+    loop = make() if traced.key is None else _cached_loop(kind, traced.key, spec, make)
+    if traced.derivative_error is not None:
+        loop = refusing_derivatives(loop, traced.derivative_error)
+    return loop(consts, mapped)
+
+
+def _shard_map_call(
+    kind: str, mesh_axes: Any, specs: list, local_result: Callable, plan_only: bool = False
+) -> Callable:
+    """``jax.shard_map`` of ``local_result(*shards) -> (result, flat out_axes)`` over
+    ``mesh_axes``, the inputs split by ``specs``: sums and means are combined over the devices
+    (``psum``/``pmean``), stacked outputs come back along the mapped axis, unmapped ones
+    replicated. With ``plan_only`` the body's result is discarded (it is traced for its plan)."""
+    names = mesh_axes.names
+    found: dict = {}
+
+    def body(*d: Any) -> Any:
+        res = local_result(*d)
+        if plan_only:
+            return ()
+        out, out_axes = res
+        if kind != "stack":
+            combine = jax.lax.psum if kind == "sum" else jax.lax.pmean
+            return jax.tree_util.tree_map(lambda o: combine(o, names), out)
+        outs, found["tree"] = jax.tree_util.tree_flatten(out)
+        found["oaxes"] = out_axes
+        stacked = [jnp.moveaxis(o, a, 0) for o, a in zip(outs, out_axes) if a is not None]
+        return stacked, [o for o, a in zip(outs, out_axes) if a is None]
+
+    if plan_only:
+        out_specs: Any = ()
+    elif kind == "stack":  # (along the mapped axis, moved to the front; unmapped: replicated)
+        out_specs = (_sharding.spec_at(0, names), P())
+    else:
+        out_specs = P()
+    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
+    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
+    mapped_fn = jax.shard_map(
+        body,
+        mesh=mesh_axes.mesh,
+        in_specs=tuple(specs),
+        out_specs=out_specs,
+        axis_names=set(mesh_axes.mesh.axis_names),
+        check_vma=False,
+    )
+
+    def call(*d: Any) -> Any:
+        out = mapped_fn(*d)
+        if plan_only or kind != "stack":
+            return out
+        stacked, unmapped = iter(out[0]), iter(out[1])
+        flat = [next(unmapped) if a is None else jnp.moveaxis(next(stacked), 0, a) for a in found["oaxes"]]
+        return jax.tree_util.tree_unflatten(found["tree"], flat)
+
+    return call
+
+
+def _sharded_program(
+    kind: str, traced: Traced, spec: LoopSpec, mesh_axes: Any, specs: tuple, mapped_k: tuple
+) -> Callable[[list, list], Any]:
+    """The jitted ``shard_map`` of an eager sharded call, ``(consts, inputs) -> result``: each
+    device runs the loop of ``traced`` (traced in a ``shard_map`` body over the same mesh and
+    specs) on its shards. Built from data only (``traced`` without its constants): a cached
+    program keeps no user array alive."""
+
+    def program(consts: list, inputs: list) -> Any:
+        n_consts = len(consts)
+
+        def local_result(*d: Any) -> Any:
+            mapped = [d[n_consts + k] for k in mapped_k]
+            return _run_loop(kind, traced, spec, list(d[:n_consts]), mapped), spec.out_axes
+
+        return _shard_map_call(kind, mesh_axes, [P()] * n_consts + list(specs), local_result)(*consts, *inputs)
+
+    return jax.jit(program)
+
+
+def _sharded_key(
+    kind: str,
+    traced: Traced,
+    spec: LoopSpec,
+    mesh_axes: Any,
+    specs: list,
+    mapped_k: tuple,
+    inputs: list,
+    consts: list,
+    axis_name: Any,
+) -> Hashable | None:
+    """What an eager sharded program depends on, or None when it cannot be keyed by value: the
+    trace (by value, as the loops are keyed), the plan, the mesh and specs, the inputs' and
+    constants' types (shapes, dtypes, shardings)."""
+    if traced.key is None:
+        return None
+    try:
+        key = (
+            "sharded",
+            kind,
+            traced.key,
+            traced.derivative_error,
+            spec._replace(remat=setting_key(spec.remat), progress=setting_key(spec.progress)),
+            mesh_axes,
+            tuple(specs),
+            mapped_k,
+            tuple(jax.typeof(x) for x in inputs),
+            tuple(jax.typeof(c) for c in consts),
+            axis_name,
+        )
+        hash(key)
+    except (Uncacheable, TypeError):
+        return None
+    return key
 
 
 class _Fallback(Exception):
