@@ -4,7 +4,7 @@
                                           [--prior default|inferred|wide] [--iters N] [--samples N]
                                           [--final-samples N] [--chunk C] [--r-pad P] [--xy-pad P]
                                           [--kl-iters N] [--geovi] [--nl-iters N]
-                                          [--fix-hyperparameters] [--no-figures]
+                                          [--fix-hyperparameters] [--vi-seed S] [--no-figures]
 
 The model (``pip install -e ".[nifty]"``, NIFTy.re is ``import nifty.re as jft``):
 
@@ -34,7 +34,8 @@ per line of the posterior mean, z-scores and 2-sigma coverage of the log-sky (pe
 distance bin), of the column (sum over the bins) and of the combination the lines measure, and
 the truth's z-score for each inferred hyperparameter. It writes ``posterior.png`` and
 ``results.json`` into ``--out`` (default ``outputs/astro_los_nifty/``). ``--geovi`` switches to
-geoVI; ``--fix-hyperparameters`` holds inferred hyperparameters at their truth (a diagnostic).
+geoVI; ``--fix-hyperparameters`` holds inferred hyperparameters at their truth (a diagnostic);
+``--vi-seed S`` draws another starting point and other samples for the same truth and data.
 ``--r-pad P`` / ``--xy-pad P`` build the (periodic) correlated field on ``P`` times the radial /
 plane-of-sky extent and crop it, so the nearest and the farthest bin are no longer neighbours.
 
@@ -450,6 +451,7 @@ def run(
     xy_pad: int | None = None,
     kl_iters: int | None = None,
     nl_iters: int = 10,
+    vi_seed: int | None = None,
     figures: bool = True,
     verbose: bool = True,
 ) -> dict:
@@ -457,7 +459,9 @@ def run(
     returns the results (also written to ``out``). ``samples`` pairs of mirrored samples per
     iteration, ``final_samples`` pairs in the last one (the reported posterior).
     ``fix_hyperparameters``: a diagnostic run with the spectrum's inferred hyperparameters held
-    at their true values."""
+    at their true values. ``vi_seed`` seeds the initial position and the samples (default
+    ``seed + 2``) without changing the truth, lines or data of ``seed``: how much of a coverage
+    figure is the draw of the samples."""
     t0 = time.perf_counter()
     overrides = dict(r_pad=r_pad, xy_pad=xy_pad, kl_iters=kl_iters, iters=iters, samples=samples)
     overrides["final_samples"] = final_samples
@@ -475,7 +479,7 @@ def run(
         flush=True,
     )
 
-    key, k_init = jax.random.split(jax.random.key(seed + 2))
+    key, k_init = jax.random.split(jax.random.key(seed + 2 if vi_seed is None else vi_seed))
     xi0 = jft.Vector(lh.init(k_init))
     xi0 = jax.tree_util.tree_map(lambda x: 0.1 * x, xi0)  # start near the prior median
     hyper = tuple(k for k in S.xi_true.tree if k != "sky xi" and k not in unused)
@@ -554,6 +558,7 @@ def run(
         "xy_pad": cfg.xy_pad,
         "kl_iters_cap": cfg.kl_iters,
         "seed": seed,
+        "vi_seed": seed + 2 if vi_seed is None else vi_seed,
         "chunk_size": int(S.A.chunk_size),
         "sample_mode": sample_mode,
         "prior": {k: v for k, v in dataclasses.asdict(prior).items()},
@@ -717,6 +722,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prior", default="default", choices=sorted(PRIORS), help="hyperparameter preset (PRIORS)")
     p.add_argument("--chunk", type=int, default=None, help="lines per chunk")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vi-seed", type=int, default=None, help="seed of the samples (default: seed + 2), data unchanged")
     p.add_argument("--noise", type=float, default=0.1, help="noise std as a fraction of the rms signal")
     p.add_argument("--geovi", action="store_true", help="geoVI (nonlinear sample updates) instead of MGVI")
     p.add_argument("--fix-hyperparameters", action="store_true", help="diagnostic: spectrum held at its truth")
@@ -744,6 +750,7 @@ def main(argv: list[str] | None = None) -> None:
         xy_pad=a.xy_pad,
         kl_iters=a.kl_iters,
         nl_iters=a.nl_iters,
+        vi_seed=a.vi_seed,
         figures=not a.no_figures,
     )
 
