@@ -215,6 +215,18 @@ def vmap_same_function_on_two_meshes():
         y = f(jax.device_put(xs, NamedSharding(mesh, P(name))))
         close(y, jnp.sin(xs) * 2)
         assert y.sharding.spec[0] == name, y.sharding
+    # the same shard shape on both meshes (16 rows per device over ('x',) and over ('a', 'b')),
+    # and a closed-over constant: the traces print alike, but their types carry the mesh, and
+    # a loop traced on one could not run on the other (it raised before)
+    w = np.array([1.0, -2.0, 0.5], np.float32)
+    for name in ("vmap", "sum"):
+        g = getattr(chunkop, name)(lambda v: jnp.sin(v) * w, chunk_size=3)
+        ref = jax.vmap(lambda v: jnp.sin(v) * w)(xs)
+        for mesh, spec in ((mesh2, P(("a", "b"))), (mesh1, P("x")), (mesh2, P(("a", "b")))):
+            with jax.set_mesh(mesh):
+                x = jax.device_put(xs, NamedSharding(mesh, spec))
+                close(g(x), ref if name == "vmap" else ref.sum(0))
+                close(jax.jit(g)(x), ref if name == "vmap" else ref.sum(0))
 
 
 @check

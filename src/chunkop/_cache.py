@@ -325,7 +325,15 @@ def _is_per_trace_state(value: Any) -> bool:
 
 
 def _aval_key(aval: Any) -> Hashable:
-    return (str(aval), getattr(aval, "weak_type", None))
+    """An abstract value by value: its type as printed, its weak type, and its sharding (the
+    mesh included: inside a ``shard_map`` body, ``f32[3]`` on a ``('d',)`` mesh and on an
+    ``('a', 'b')`` mesh print alike, but a jaxpr of one cannot run in the other)."""
+    sharding = getattr(aval, "sharding", None)
+    try:
+        hash(sharding)
+    except TypeError:
+        sharding = str(sharding)
+    return (str(aval), getattr(aval, "weak_type", None), sharding)
 
 
 def _literal_key(lit: Any) -> Hashable:
