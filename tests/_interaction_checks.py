@@ -5,8 +5,9 @@ so these checks run in their own interpreter. Usage::
 
     python tests/_interaction_checks.py [--list] [NAME ...]
 
-``--list`` prints the check names (a JSON list, without importing JAX); otherwise the named (or
-all) checks run and the last line printed is a JSON object: name -> "ok" or the failure.
+``--list`` prints the check names (a JSON object, without importing JAX: ``"default"``, the
+checks run by default, and ``"slow"``, those run by ``pytest -m slow``); otherwise the named (or
+the default) checks run and the last line printed is a JSON object: name -> "ok" or the failure.
 
 Each check runs ``chunkop.vmap(f, (None, 0), ...)`` on an input sharded along its mapped axis and
 compares with ``jax.vmap`` of the same ``f`` on the *unsharded* input, under one transform
@@ -33,36 +34,62 @@ CHUNKS = [None, 3, 2, "auto"]
 MODES = ["eager", "jit", "grad", "vmap", "hessian"]
 
 
-def _names() -> list[str]:
-    """The checks, pruned to keep the subprocess short (about 70 s on 2 idle cores)."""
+def _names() -> tuple[list[str], list[str]]:
+    """The checks: those run by default (about 80 CPU-seconds, 120 before the ``slow`` split),
+    and the ``slow`` ones (``pytest -m slow``), variants that repeat a code path a default check
+    already runs.
+
+    Where the mesh reaches chunkop (read ``_transform.Chunked.__call__`` / ``_call_sharded``):
+    ``chunk_size=None`` calls ``jax.vmap`` before any sharding is looked at, so the mesh is
+    jax.vmap's business (the default checks keep None on every mesh, through the axis-size,
+    psum, progress and spmd checks, and every transform but the Hessian on the Explicit mesh;
+    its Hessian is ``jax.vmap``'s own, skipped in process too); a chunk is planned and looped on
+    one device's shard, so a dividing chunk (2) runs the same loop on every mesh (kept on the
+    Explicit mesh); on an Auto mesh under ``grad`` the sharding is not visible, so a custom rule
+    there runs the unsharded loop (``tests/test_interactions.py``). Hessians (the slowest
+    checks): two, which between them run a chunk with axis-size queries and "auto" with
+    progress; the other Hessians are their subsets."""
 
     def keep(m, c, t):
-        # Hessians (the slowest checks) on the Explicit mesh only; a dividing chunk: eager and jit
+        # Hessians on the Explicit mesh only; a dividing chunk: eager and jit
         return not ((t == "hessian" and m != "explicit") or (c == 2 and t not in ("eager", "jit")))
 
-    names = [f"values-{m}-{c}-plain-{t}" for m, c, t in itertools.product(MESHES, CHUNKS, MODES) if keep(m, c, t)]
-    names += [f"values-{m}-3-{b}-{t}" for m in MESHES for b in ("custom_jvp", "custom_vjp") for t in ("eager", "grad")]
+    values = [f"values-{m}-{c}-plain-{t}" for m, c, t in itertools.product(MESHES, CHUNKS, MODES) if keep(m, c, t)]
+    values += [f"values-{m}-3-{b}-{t}" for m in MESHES for b in ("custom_jvp", "custom_vjp") for t in ("eager", "grad")]
+    # chunk None and the dividing chunk 2 on the Auto and 2-D meshes
+    slow = {n for n in values if n.startswith(tuple(f"values-{m}-{c}-" for m in ("auto", "2d") for c in (None, 2)))}
+    # the Hessians of a chunk and of "auto": size-explicit-3-hessian (the same plus axis-size
+    # queries) and progress-explicit-auto-hessian (the same plus progress) run them
+    slow |= {"values-explicit-3-plain-hessian", "values-explicit-auto-plain-hessian"}
+    slow |= {"values-explicit-None-plain-hessian", "values-2d-auto-plain-grad"}
+    slow |= {"values-auto-3-custom_jvp-grad", "values-auto-3-custom_vjp-grad", "values-2d-3-custom_jvp-grad"}
+    names = values
     # progress: every transform on the Explicit mesh; eager (and grad) on the others
     names += [f"progress-explicit-{c}-{t}" for c in (3, "auto") for t in MODES]
     names += [f"progress-{m}-{c}-eager" for m in ("auto", "2d") for c in (3, "auto")]
     names += [f"progress-{m}-3-grad" for m in ("auto", "2d")]
     names += [f"progress-{m}-None-eager" for m in MESHES]  # not chunking: no report
+    # progress-2d-3-grad: spmd-2d-3-grad runs the same (the 2-D mesh's types name its axis);
+    # progress-explicit-3-grad: spmd-auto-3-grad (the same shard_map over "d", progress, grad)
+    slow |= {"progress-explicit-3-hessian", "progress-2d-3-grad", "progress-explicit-3-grad"}
     # axis-size queries and psum: every chunk kind eagerly on every mesh; the transforms on the
     # Explicit and 2-D meshes (on an Auto mesh under jit / grad the sharding is not visible)
     names += [f"size-{m}-{c}-eager" for m in MESHES for c in (None, 3, "auto")]
     names += [f"size-{m}-{c}-{t}" for m in ("explicit", "2d") for c in (3, "auto") for t in ("jit", "grad")]
     names += [f"size-explicit-3-{t}" for t in ("vmap", "hessian")]
+    slow |= {"size-2d-3-grad", "size-2d-auto-grad"}
     names += [f"psum-{m}-{c}-eager" for m in MESHES for c in (None, 3, "auto")]
     names += [f"psum-explicit-{c}-jit" for c in (None, 3, "auto")]
     # spmd_axis_name names the mesh axis: device-local chunking also where the types carry no
     # sharding (an Auto mesh under jit / grad); with a progress callable
     names += [f"spmd-{m}-{c}-jit" for m in ("auto", "2d") for c in (None, 3, "auto")]
     names += [f"spmd-{m}-3-grad" for m in ("auto", "2d")]
-    return names
+    assert slow <= set(names), slow - set(names)
+    return [n for n in names if n not in slow], [n for n in names if n in slow]
 
 
 if __name__ == "__main__" and "--list" in sys.argv:
-    print(json.dumps(_names()))
+    print(json.dumps(dict(zip(("default", "slow"), _names()))))
     sys.exit(0)
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -97,9 +124,10 @@ run = _model.run
 
 @functools.cache
 def reference(body, coll, mode):
-    """jax.vmap on the unsharded inputs (computed once per combination)."""
+    """jax.vmap on the unsharded inputs (computed once per combination, under one ``jit``: the
+    same values as eagerly, without compiling every operation of a Hessian on its own)."""
     kw = {"axis_name": "i"} if coll else {}
-    return run(mode, jax.vmap(make_fun(body, coll), in_axes=(None, 0), **kw), *data())
+    return jax.jit(functools.partial(run, mode, jax.vmap(make_fun(body, coll), in_axes=(None, 0), **kw)))(*data())
 
 
 def close(actual, expected, rtol=1e-4, atol=1e-4):
@@ -197,7 +225,7 @@ def run_named(name):
 
 def main(names):
     results = {}
-    for name in names or _names():
+    for name in names or _names()[0]:
         start = time.perf_counter()
         try:
             run_named(name)

@@ -91,7 +91,7 @@ def every_mesh():
             yield kind, n_dev
 
 
-MESHES = [("explicit", 1), ("explicit", 4), ("auto", 4)]  # solves: Auto on 1 device adds nothing
+MESHES = [("explicit", 1), ("explicit", 4), ("auto", 4)]  # algebra: Auto on 1 device adds nothing
 
 
 @check
@@ -192,6 +192,17 @@ def solves(A, b, damping, *solvers):
 
 @check
 def solves_wide_and_tall():
+    _solves_on([("explicit", 4), ("auto", 4)])
+
+
+@check
+def solves_on_one_device():
+    # slow (tests/test_lineax_mesh.py): the solves of solves_wide_and_tall on a 1-device
+    # Explicit mesh, the same kernels with one shard (operator_algebra checks them there)
+    _solves_on([("explicit", 1)])
+
+
+def _solves_on(meshes):
     # wide (more unknowns than rows, the astro case): the minimum-norm solution, np.linalg.lstsq's
     _, M, _, b_np = WIDE
     ref = np.linalg.lstsq(M, b_np, rcond=None)[0]
@@ -200,7 +211,7 @@ def solves_wide_and_tall():
     bt_np = bt_np + 0.1 * np.random.default_rng(7).normal(size=bt_np.shape)
     ref_t = np.linalg.lstsq(Mt, bt_np, rcond=None)[0]
     damped_t = np.linalg.solve(Mt.T @ Mt + LAM * np.eye(Mt.shape[1]), Mt.T @ bt_np)
-    for kind, n_dev in MESHES:
+    for kind, n_dev in meshes:
         where = f"{kind}, {n_dev} devices"
         # rows sharded, row space sharded. Explicit: A.normal() keeps every CG vector in the
         # (replicated) x space; lineax.Normal's CG on row-space vectors (for a wide operator)

@@ -18,7 +18,8 @@ and compares the result with ``jax.vmap`` of the same ``fun`` on the same inputs
 ``jax.vmap`` itself does not support are left out (``jax.hessian`` of a ``custom_vjp``: JAX has
 no forward mode for it). Sharded inputs (Auto / Explicit / 2-D meshes, ``spmd_axis_name``) are
 checked by ``tests/_interaction_checks.py`` in one subprocess with 4 CPU devices
-(``test_sharded``).
+(``test_sharded``). Combinations that run a code path another default test already runs are
+marked ``slow`` (run with ``pytest -m slow``; ``_slow`` here, ``_names`` there says which and why).
 
 Known failures are marked ``xfail(strict=True)`` with the reason; each has a standalone repro
 script under ``/tmp/interaction_repros/`` (see the lead's report for issue #15).
@@ -97,9 +98,32 @@ def _cases(bodies, modes, chunk):
 XFAIL: dict[tuple, str] = {}  # (test, *params) -> reason, filled in below
 
 
+def _slow(test: str, chunk, body: str, mode: str) -> bool:
+    """Variants that repeat a code path a default test runs: marked ``slow`` (``pytest -m slow``).
+
+    - chunk None is ``jax.vmap`` itself (``Chunked.__call__`` returns ``_unchunked`` first),
+      whatever ``fun``'s body: the custom bodies there run ``jax.vmap``'s own custom rules;
+    - "auto" with a custom rule: the plan is made once per traced body for every transform but
+      the Hessian (the planner's mode is "grad" unless two forward levels enclose the call: the
+      forward program and its VJP are probed, through the rules) and is run by ``grad``; the
+      other transforms loop like the remainder chunk 5 with that rule. Its Hessian probes the
+      Hessian-vector program that chunk 5's Hessian runs through the same rule;
+    - progress and axis-size queries with a ``custom_jvp`` body: ``test_combined`` runs both
+      with a ``custom_jvp`` under every transform; axis-size queries under "auto"'s Hessian:
+      ``test_matrix[auto-plain-hessian]`` plans it, chunk 5 and ``test_combined`` query there.
+    """
+    if test == "matrix":
+        return body != "plain" and (chunk is None or (chunk == "auto" and mode != "grad"))
+    if test in ("progress", "axis_size"):
+        return body != "plain" or (test == "axis_size" and chunk == "auto" and mode == "hessian")
+    return False
+
+
 def _param(test: str, *values):
     reason = XFAIL.get((test, *values))
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    if len(values) == 3 and _slow(test, *values):
+        marks.append(pytest.mark.slow)
     return pytest.param(*values, marks=marks, id="-".join(str(v) for v in values))
 
 
@@ -253,23 +277,27 @@ def test_custom_rule_closing_over_tracer_with_progress(mode, chunk):
 SCRIPT = Path(__file__).with_name("_interaction_checks.py")
 
 
-@pytest.fixture(scope="module")
-def sharded_results() -> dict:
+def _run_checks(*args: str, timeout: int = 900) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=900, env=env)
+    cmd = [sys.executable, str(SCRIPT), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, f"checks subprocess failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    return lines[-1]
 
 
-def _sharded_names() -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--list"], capture_output=True, text=True, timeout=300, env=env, check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+SHARDED = json.loads(_run_checks("--list", timeout=300))  # {"default": [names], "slow": [names]}
+
+
+@pytest.fixture(scope="module")
+def sharded_results() -> dict:
+    return json.loads(_run_checks())  # the default checks
+
+
+@pytest.fixture(scope="module")
+def sharded_slow_results() -> dict:
+    return json.loads(_run_checks(*SHARDED["slow"]))
 
 
 REPROS = "/tmp/interaction_repros"
@@ -288,6 +316,13 @@ def _sharded_param(name: str):
     return pytest.param(name, marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
 
 
-@pytest.mark.parametrize("name", [_sharded_param(n) for n in _sharded_names()])
+@pytest.mark.parametrize("name", [_sharded_param(n) for n in SHARDED["default"]])
 def test_sharded(sharded_results: dict, name: str) -> None:
     assert sharded_results.get(name) == "ok", sharded_results.get(name, "check not run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [_sharded_param(n) for n in SHARDED["slow"]])
+def test_sharded_slow(sharded_slow_results: dict, name: str) -> None:
+    """Variants that repeat a code path of a default check (see ``_interaction_checks._names``)."""
+    assert sharded_slow_results.get(name) == "ok", sharded_slow_results.get(name, "check not run")

@@ -12,9 +12,10 @@ the rows (the dense matrix by ``np.add.at``; ``np.linalg.lstsq`` / ``solve`` in 
 - an operator with unsharded rows used under ``jax.set_mesh`` of an Explicit mesh: its
   structures are typed replicated on that mesh, like the vectors made there (a solve, algebra);
 - solves under ``jit``: CG on ``A.normal()`` for a wide operator (the minimum-norm solution)
-  on every mesh, ``lx.Normal(lx.CG)`` and ``lx.LSMR`` with ``out_sharding="replicated"`` on
-  Explicit meshes (and with row-sharded vectors on Auto), ``lx.Normal`` and damped normal
-  equations for a tall one;
+  on every 4-device mesh, ``lx.Normal(lx.CG)`` and ``lx.LSMR`` with ``out_sharding="replicated"``
+  on the Explicit mesh (and with row-sharded vectors on Auto), ``lx.Normal`` and damped normal
+  equations for a tall one (on a 1-device Explicit mesh too, marked ``slow``: the same kernels
+  with one shard, whose operator algebra runs by default);
 - ``out_sharding="replicated"``: one all-gather in ``mv``, one all-reduce in ``T.mv``, and
   gradients w.r.t. the row weights equal to the unsharded operator's;
 - ``chunkop.plan`` reports the per-shard plan a sharded call makes (``size``, ``shards``,
@@ -41,15 +42,29 @@ NAMES = [
 ]
 
 
+SLOW = ["solves_on_one_device"]  # pytest -m slow: the 4-device solves' code path with one shard
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_script(SCRIPT, NAMES)
 
 
+@pytest.fixture(scope="module")
+def slow_results() -> dict:
+    return run_script(SCRIPT, SLOW)
+
+
 def test_every_check_is_listed():
-    assert sorted(defined_checks(SCRIPT)) == sorted(NAMES)
+    assert sorted(defined_checks(SCRIPT)) == sorted(NAMES + SLOW)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_lineax_mesh(results: dict, name: str) -> None:
     assert results.get(name) == "ok", results.get(name, "check not run")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_lineax_mesh_slow(slow_results: dict, name: str) -> None:
+    assert slow_results.get(name) == "ok", slow_results.get(name, "check not run")
