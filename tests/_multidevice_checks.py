@@ -256,6 +256,39 @@ def eager_sharded_calls_compile_once_per_key():
                     np.testing.assert_array_equal(np.signbit(np.asarray(y)), np.signbit(np.asarray(expected)))
                     close(y, expected)
                 assert counts[1:] == [0, 0, 0, 0], (kind, name, chunk, counts)
+            # an unmapped array argument (read in the body from the program's inputs)
+            counts = []
+            for scale in (1.0, 5.0, -0.0):
+                w = jnp.asarray([scale, 1.0, 2.0])
+                before = len(compiles)
+                with jax.set_mesh(mesh):
+                    y = getattr(chunkop, name)(lambda w, v: jnp.sin(v) * w, in_axes=(None, 0), chunk_size=3)(w, x)
+                counts.append(len(compiles) - before)
+                close(y, ref(jnp.sin(xs) * w))
+            assert counts[1:] == [0, 0], (kind, name, "unmapped", counts)
+
+
+@check
+def closures_over_enclosing_transforms_on_sharded_inputs():
+    """``fun`` closing over a value of an enclosing ``jax.vmap`` / ``grad`` / ``jvp``, on inputs
+    sharded over an Explicit and an Auto mesh. Closed over by the ``shard_map`` body, such a
+    value keeps its outer type: on the Explicit mesh every case raised NotImplementedError
+    ("Closing over inputs to shard_map"), on the Auto mesh ``vmap`` of ``grad`` at chunk 3 raised
+    "Context mesh ... should match". They are now passed in as arguments."""
+    _, xs = data()
+    ref = lambda s: jnp.sum(s * jnp.sin(xs))
+    for kind in ("explicit", "auto"):
+        mesh = mesh_of(kind)
+        with jax.set_mesh(mesh):
+            x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+            for chunk in (3, "auto"):
+                v = lambda s: chunkop.vmap(lambda r: s * jnp.sin(r), chunk_size=chunk)(x)
+                close(jax.vmap(v)(jnp.arange(3.0)), jnp.arange(3.0)[:, None, None] * jnp.sin(xs))
+                f = lambda s: chunkop.sum(lambda r: jnp.sum(s * jnp.sin(r)), chunk_size=chunk)(x)
+                close(jax.grad(f)(2.0), jax.grad(ref)(2.0), rtol=1e-4)
+                close(jax.jvp(f, (2.0,), (1.0,))[1], jax.jvp(ref, (2.0,), (1.0,))[1], rtol=1e-4)
+                close(jax.vmap(jax.grad(f))(jnp.arange(3.0)), jax.vmap(jax.grad(ref))(jnp.arange(3.0)), rtol=1e-4)
+                close(jax.jit(jax.vmap(v))(jnp.arange(3.0)), jnp.arange(3.0)[:, None, None] * jnp.sin(xs))
 
 
 @check

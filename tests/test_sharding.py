@@ -25,6 +25,7 @@ NAMES = [
     "vmap_axis_name_collective_on_shards_refused",
     "vmap_same_function_on_two_meshes",
     "eager_sharded_calls_compile_once_per_key",
+    "closures_over_enclosing_transforms_on_sharded_inputs",
     "vmap_sum_mapped_axis_on_a_other_axis_on_b",
     "check_linear_of_sharded_rows_inside_set_mesh",
     "map_sharded",

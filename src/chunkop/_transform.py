@@ -249,9 +249,9 @@ class Chunked:
         """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard, its inputs
         (resharded to its specs) and what its trace found: ``fun`` traced once there
         (axis-size queries give the whole axis), the plan made for the shard, one loop. With
-        ``plan_only`` the body stops after the plan and leaves ``found["prepared"] = (traced,
-        spec)``. Raises :class:`_Fallback` while tracing when the call must run without
-        ``shard_map``."""
+        ``plan_only`` (run it under ``jax.eval_shape``: nothing is compiled) the body stops
+        after the plan and leaves ``found["prepared"] = (traced, spec)``. Raises
+        :class:`_Fallback` while tracing when the call must run without ``shard_map``."""
         shards = self._check_even(n, mesh_axes)
         at, specs = self._sharded_specs(leaves, axes, mesh_axes)
         mapped_at = [i for i, a in enumerate(axes) if a is not None]
@@ -265,7 +265,7 @@ class Chunked:
             mapped = [local[i] for i in mapped_at]
             spec = self._plan(traced, axes, n // shards, mapped, shards)
             if plan_only:
-                found["prepared"] = (traced, spec)
+                found["prepared"], found["inputs"] = (traced, spec), d
                 return None
             return self._run(traced, spec, traced.consts, mapped), spec.out_axes
 
@@ -280,8 +280,15 @@ class Chunked:
         Called eagerly (no input is a tracer), the ``shard_map`` is compiled once per key: the
         body is traced and planned under ``jax.eval_shape`` (``fun`` traced once, nothing
         compiled), and the compiled program, keyed like the loops by what was traced (by
-        value), takes the trace's constants as arguments. Under a trace (``jit``, ``grad`` ...)
-        the enclosing compilation already happens once: the body traces ``fun`` itself."""
+        value), takes the trace's constants as arguments (also values of an enclosing
+        transform ``fun`` closes over: closed over by the body, their types would carry the
+        outer mesh; such a call is not cached). With traced inputs (under ``jit``, ``grad`` ...)
+        the enclosing compilation already happens once: the body traces ``fun`` itself.
+
+        A ``fun`` closing over a value of an enclosing transform that is typed as sharded on an
+        Explicit mesh (a ``jax.vmap`` tracer there) cannot be traced in any ``shard_map`` body,
+        and the sharded axis cannot be sliced into chunks that do not divide it: that call runs
+        as ``jax.vmap``."""
         try:
             if any(isinstance(x, jax.core.Tracer) for x in leaves):
                 call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
@@ -289,6 +296,10 @@ class Chunked:
             return self._call_sharded_eager(leaves, treedef, axes, n, mesh_axes)
         except _Fallback as e:
             traced = e.args[0]
+        except NotImplementedError as e:
+            if "Closing over inputs to shard_map" not in str(e):
+                raise
+            return self._unchunked(args, kwargs)
         if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
             return self._unchunked(args, kwargs)
         # a custom rule closes over a tracer of an enclosing transform: no staging boundary
@@ -301,18 +312,43 @@ class Chunked:
         plan_call, inputs, found = self._shard_mapped(leaves, treedef, axes, n, mesh_axes, plan_only=True)
         jax.eval_shape(plan_call, *inputs)  # stages 3-4 on one device's shard (raises _Fallback)
         traced, spec = found["prepared"]
-        if any(isinstance(c, jax.core.Tracer) for c in traced.consts):  # not expected eagerly
-            call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
-            return call(*inputs)
         at, specs = self._sharded_specs(leaves, axes, mesh_axes)
         mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
+        # Each constant of the trace is an unmapped input of the body (read there from the
+        # program's inputs), a value (passed in, replicated) or a value of an enclosing
+        # transform (a jax.vmap / grad tracer: passed in too, since closed over by the body its
+        # type would carry the outer mesh; such a call is not cached).
+        body_inputs = {id(t): k for k, t in enumerate(found["inputs"])}
+        body_trace = getattr(found["inputs"][0], "_trace", None) if found["inputs"] else None
+        from_input, passed = [], []
+        for c in traced.consts:
+            if id(c) in body_inputs:
+                from_input.append(body_inputs[id(c)])
+                continue
+            if isinstance(c, jax.core.Tracer) and getattr(c, "_trace", None) is body_trace:
+                call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)  # computed in the body
+                return call(*inputs)
+            from_input.append(-1)
+            passed.append(c)
+        outer = any(isinstance(c, jax.core.Tracer) for c in passed)
         replicated = jax.sharding.NamedSharding(mesh_axes.mesh, P())
-        consts = [jax.device_put(c, replicated) for c in traced.consts]
+        consts = [c if isinstance(c, jax.core.Tracer) else jax.device_put(c, replicated) for c in passed]
         consts = _sharding._conform(consts, [P()] * len(consts), mesh_axes)
         make = functools.partial(
-            _sharded_program, self.kind, traced._replace(consts=[]), spec, mesh_axes, tuple(specs), mapped_k
+            _sharded_program,
+            self.kind,
+            traced._replace(consts=[]),
+            spec,
+            mesh_axes,
+            tuple(specs),
+            mapped_k,
+            tuple(from_input),
         )
-        key = _sharded_key(self.kind, traced, spec, mesh_axes, specs, mapped_k, inputs, consts, self.axis_name)
+        key = None
+        if not outer:
+            key = _sharded_key(
+                self.kind, traced, spec, mesh_axes, specs, (mapped_k, tuple(from_input)), inputs, consts, self.axis_name
+            )
         program = make() if key is None else cached(key, make)
         return program(consts, inputs)
 
@@ -441,19 +477,21 @@ def _shard_map_call(
 
 
 def _sharded_program(
-    kind: str, traced: Traced, spec: LoopSpec, mesh_axes: Any, specs: tuple, mapped_k: tuple
+    kind: str, traced: Traced, spec: LoopSpec, mesh_axes: Any, specs: tuple, mapped_k: tuple, from_input: tuple
 ) -> Callable[[list, list], Any]:
     """The jitted ``shard_map`` of an eager sharded call, ``(consts, inputs) -> result``: each
     device runs the loop of ``traced`` (traced in a ``shard_map`` body over the same mesh and
-    specs) on its shards. Built from data only (``traced`` without its constants): a cached
+    specs) on its shards; the trace's constants are ``consts`` and, where ``from_input[k] >=
+    0``, that input (an unmapped argument). Built from data only (``traced`` without its constants): a cached
     program keeps no user array alive."""
 
     def program(consts: list, inputs: list) -> Any:
         n_consts = len(consts)
 
         def local_result(*d: Any) -> Any:
-            mapped = [d[n_consts + k] for k in mapped_k]
-            return _run_loop(kind, traced, spec, list(d[:n_consts]), mapped), spec.out_axes
+            passed, shards = iter(d[:n_consts]), d[n_consts:]
+            consts = [next(passed) if k < 0 else shards[k] for k in from_input]
+            return _run_loop(kind, traced, spec, consts, [shards[k] for k in mapped_k]), spec.out_axes
 
         return _shard_map_call(kind, mesh_axes, [P()] * n_consts + list(specs), local_result)(*consts, *inputs)
 
