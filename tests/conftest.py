@@ -8,6 +8,13 @@ PRNG keys).
 
 from __future__ import annotations
 
+import os
+
+from _device_checks import TEST_XLA_FLAGS
+
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # before JAX starts
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np

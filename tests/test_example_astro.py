@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _device_checks import subprocess_env
 
 from chunkop._chunking import make_plan
 
@@ -147,8 +148,7 @@ def test_tiny_reconstruction_beats_baseline(tiny_run):
 def test_tiny_reconstruction_sharded_over_two_devices(tiny_run, tmp_path):
     # the script as users run it: --devices 2 makes two CPU devices (XLA_FLAGS, set by the script
     # before jax starts), shards the rows over them and must reproduce the single-device run
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     cmd = [sys.executable, str(EXAMPLE / "reconstruct.py"), "--size", "tiny", "--devices", "2", "--no-figures"]
     proc = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

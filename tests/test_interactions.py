@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ import _interaction_model as _model
 import jax
 import jax.numpy as jnp
 import pytest
+from _device_checks import subprocess_env
 from conftest import assert_tree_allclose
 
 import chunkop
@@ -278,8 +278,7 @@ SCRIPT = Path(__file__).with_name("_interaction_checks.py")
 
 
 def _run_checks(*args: str, timeout: int = 900) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env()
     cmd = [sys.executable, str(SCRIPT), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     lines = proc.stdout.strip().splitlines()

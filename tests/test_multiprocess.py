@@ -8,7 +8,6 @@ free port; each builds its half of the rows with ``jax.make_array_from_process_l
 from __future__ import annotations
 
 import importlib.util
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _device_checks import subprocess_env
 
 import chunkop
 
@@ -40,8 +40,7 @@ def _worker_module():
 
 
 def test_two_processes_two_devices_each(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env["JAX_PLATFORMS"] = "cpu"
+    env = subprocess_env("JAX_NUM_CPU_DEVICES")
     port = _free_port()
     procs = [
         subprocess.Popen(
