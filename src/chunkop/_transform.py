@@ -285,10 +285,9 @@ class Chunked:
         outer mesh; such a call is not cached). With traced inputs (under ``jit``, ``grad`` ...)
         the enclosing compilation already happens once: the body traces ``fun`` itself.
 
-        A ``fun`` closing over a value of an enclosing transform that is typed as sharded on an
-        Explicit mesh (a ``jax.vmap`` tracer there) cannot be traced in any ``shard_map`` body,
-        and the sharded axis cannot be sliced into chunks that do not divide it: that call runs
-        as ``jax.vmap``."""
+        A ``fun`` closing over a value typed on an Explicit mesh (an array created under
+        ``jax.set_mesh``, a ``jax.vmap`` tracer there) cannot be traced in any ``shard_map``
+        body: that raises a ``ValueError`` saying to pass the value as an unmapped argument."""
         try:
             if any(isinstance(x, jax.core.Tracer) for x in leaves):
                 call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
@@ -299,7 +298,15 @@ class Chunked:
         except NotImplementedError as e:
             if "Closing over inputs to shard_map" not in str(e):
                 raise
-            return self._unchunked(args, kwargs)
+            raise ValueError(
+                f"{self.where}: the mapped inputs are sharded over the Explicit mesh axes "
+                f"{mesh_axes.names}, so each device chunks its shard inside a jax.shard_map, and "
+                f"`fun` closes over a value typed on that mesh (an array created under "
+                f"jax.set_mesh, or a value of an enclosing jax.vmap), which JAX does not let a "
+                f"shard_map body close over. Pass that value to the chunked function as an "
+                f"argument with in_axes=None (it then reaches every device replicated), or use "
+                f"chunk_size=None (exactly jax.vmap, unchunked). JAX's message: {str(e).splitlines()[0]}"
+            ) from None
         if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
             return self._unchunked(args, kwargs)
         # a custom rule closes over a tracer of an enclosing transform: no staging boundary
