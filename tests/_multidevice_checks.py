@@ -270,51 +270,46 @@ def eager_sharded_calls_compile_once_per_key():
 
 @check
 def closures_over_enclosing_transforms_on_sharded_inputs():
-    """``fun`` closing over a value of an enclosing ``jax.vmap`` / ``grad`` / ``jvp``, on inputs
-    sharded over an Explicit and an Auto mesh. Closed over by the ``shard_map`` body, such a
-    value keeps its outer type: on the Explicit mesh every case raised NotImplementedError
-    ("Closing over inputs to shard_map"), on the Auto mesh ``vmap`` of ``grad`` at chunk 3 raised
-    "Context mesh ... should match". They are now passed in as arguments. What no
-    ``shard_map`` body may close over (a value typed on the Explicit mesh: a ``jax.vmap``
-    tracer there, an array created under ``jax.set_mesh``) gets a ValueError naming the
-    workaround, an unmapped argument, which is checked to work."""
+    """``fun`` closing over a value of an enclosing ``jax.vmap`` / ``grad`` / ``jvp``, or over an
+    array created under ``jax.set_mesh``, on inputs sharded over an Explicit, a 2-D Explicit and
+    an Auto mesh. Closed over by the ``shard_map`` body such values keep their outer type: on
+    the Explicit meshes every case raised NotImplementedError ("Closing over inputs to
+    shard_map"), on the Auto mesh ``vmap`` of ``grad`` at chunk 3 raised "Context mesh ... should
+    match". Now they are passed in as arguments (``fun`` traced outside the body where it must
+    be); a ``fun`` that needs the mesh there too gets a ValueError naming the workaround."""
     _, xs = data()
     ref = lambda s: jnp.sum(s * jnp.sin(xs))
     expected = jnp.arange(3.0)[:, None, None] * jnp.sin(xs)
-    for kind in ("explicit", "auto"):
-        mesh = mesh_of(kind)
+    grads = jax.vmap(jax.grad(ref))(jnp.arange(3.0))
+    meshes = {
+        "explicit": (mesh_of("explicit"), P("d")),
+        "2d": (jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2), P(("a", "b"))),
+        "auto": (mesh_of("auto"), P("d")),
+    }
+    for kind, (mesh, spec) in meshes.items():
         with jax.set_mesh(mesh):
-            x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+            x = jax.device_put(xs, NamedSharding(mesh, spec))
+            w = jnp.asarray([1.0, -2.0, 0.5])  # created under jax.set_mesh: typed on the mesh
             for chunk in (3, "auto"):
                 v = lambda s: chunkop.vmap(lambda r: s * jnp.sin(r), chunk_size=chunk)(x)
-                as_argument = lambda s: chunkop.vmap(lambda s, r: s * jnp.sin(r), (None, 0), chunk_size=chunk)(s, x)
-                close(jax.vmap(as_argument)(jnp.arange(3.0)), expected)
-                w = jnp.asarray([1.0, -2.0, 0.5])  # created under jax.set_mesh: typed on the mesh
-                if kind == "auto":
-                    close(jax.vmap(v)(jnp.arange(3.0)), expected)
-                    close(chunkop.vmap(lambda r: r * w, chunk_size=chunk)(x), xs * w)
-                else:
-                    for call in (
-                        lambda: jax.vmap(v)(jnp.arange(3.0)),
-                        lambda: chunkop.vmap(lambda r: r * w, chunk_size=chunk)(x),
-                    ):
-                        try:
-                            call()
-                        except ValueError as e:
-                            assert "in_axes=None" in str(e) and "Explicit" in str(e), e
-                        else:
-                            raise AssertionError("a closure over a value typed on the Explicit mesh was not refused")
-                    close(chunkop.vmap(lambda w, r: r * w, (None, 0), chunk_size=chunk)(w, x), xs * w)
+                close(jax.vmap(v)(jnp.arange(3.0)), expected)
+                close(jax.jit(jax.vmap(v))(jnp.arange(3.0)), expected)
+                close(chunkop.vmap(lambda r: r * w, chunk_size=chunk)(x), xs * w)
+                close(jax.jit(lambda x: chunkop.sum(lambda r: r * w, chunk_size=chunk)(x))(x), (xs * w).sum(0))
+                f = lambda s: chunkop.sum(lambda r: jnp.sum(s * w * jnp.sin(r)), chunk_size=chunk)(x)
+                close(jax.grad(f)(2.0), jax.grad(lambda s: ref(s * w))(2.0), rtol=1e-4)
                 f = lambda s: chunkop.sum(lambda r: jnp.sum(s * jnp.sin(r)), chunk_size=chunk)(x)
-                close(jax.grad(f)(2.0), jax.grad(ref)(2.0), rtol=1e-4)
                 close(jax.jvp(f, (2.0,), (1.0,))[1], jax.jvp(ref, (2.0,), (1.0,))[1], rtol=1e-4)
-                g = lambda s: chunkop.sum(lambda s, r: jnp.sum(s * jnp.sin(r)), (None, 0), chunk_size=chunk)(s, x)
-                grads = jax.vmap(jax.grad(ref))(jnp.arange(3.0))
-                close(jax.vmap(jax.grad(g))(jnp.arange(3.0)), grads, rtol=1e-4)
-                close(jax.jit(jax.vmap(as_argument))(jnp.arange(3.0)), expected)
-                if kind == "auto":  # closed over: the vmap tracer is typed on the mesh only when Explicit
-                    close(jax.vmap(jax.grad(f))(jnp.arange(3.0)), grads, rtol=1e-4)
-                    close(jax.jit(jax.vmap(v))(jnp.arange(3.0)), expected)
+                close(jax.vmap(jax.grad(f))(jnp.arange(3.0)), grads, rtol=1e-4)
+            if kind != "auto":  # fun needs the mesh (a reshard) and closes over w: refused, clearly
+                try:
+                    chunkop.vmap(lambda r: jax.sharding.reshard(r * w, P()), chunk_size=3)(x)
+                except ValueError as e:
+                    assert "in_axes=None" in str(e) and "Explicit" in str(e), e
+                else:
+                    raise AssertionError("a closure needing the mesh was not refused")
+                as_argument = chunkop.vmap(lambda w, r: jax.sharding.reshard(r * w, P()), (None, 0), chunk_size=3)
+                close(as_argument(w, x), xs * w)
 
 
 @check

@@ -287,7 +287,9 @@ class Chunked:
 
         A ``fun`` closing over a value typed on an Explicit mesh (an array created under
         ``jax.set_mesh``, a ``jax.vmap`` tracer there) cannot be traced in any ``shard_map``
-        body: that raises a ``ValueError`` saying to pass the value as an unmapped argument."""
+        body: it is traced outside, without a mesh (:meth:`_call_sharded_traced_outside`); if
+        it needs its mesh there too, a ``ValueError`` says to pass the value as an unmapped
+        argument."""
         try:
             if any(isinstance(x, jax.core.Tracer) for x in leaves):
                 call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
@@ -298,14 +300,20 @@ class Chunked:
         except NotImplementedError as e:
             if "Closing over inputs to shard_map" not in str(e):
                 raise
+            try:  # trace outside the body, without a mesh, as a RowOperator's row_fn is
+                return self._call_sharded_traced_outside(leaves, treedef, axes, n, mesh_axes)
+            except Exception:  # noqa: BLE001 - fun needs its mesh context: the message below
+                pass
             raise ValueError(
                 f"{self.where}: the mapped inputs are sharded over the Explicit mesh axes "
-                f"{mesh_axes.names}, so each device chunks its shard inside a jax.shard_map, and "
-                f"`fun` closes over a value typed on that mesh (an array created under "
-                f"jax.set_mesh, or a value of an enclosing jax.vmap), which JAX does not let a "
-                f"shard_map body close over. Pass that value to the chunked function as an "
-                f"argument with in_axes=None (it then reaches every device replicated), or use "
-                f"chunk_size=None (exactly jax.vmap, unchunked). JAX's message: {str(e).splitlines()[0]}"
+                f"{mesh_axes.names}, so each device chunks its shard inside a jax.shard_map; `fun` "
+                f"closes over a value typed on that mesh (an array created under jax.set_mesh, or a "
+                f"value of an enclosing jax.vmap), which JAX does not let a shard_map body close "
+                f"over, and `fun` could not be traced outside the mesh context either (it uses the "
+                f"mesh: a reshard, a sharding constraint, a mesh-axis collective). Pass that value "
+                f"to the chunked function as an argument with in_axes=None (it then reaches every "
+                f"device replicated), or use chunk_size=None (exactly jax.vmap, unchunked). JAX's "
+                f"message: {str(e).splitlines()[0]}"
             ) from None
         if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
             return self._unchunked(args, kwargs)
@@ -356,6 +364,45 @@ class Chunked:
             key = _sharded_key(
                 self.kind, traced, spec, mesh_axes, specs, (mapped_k, tuple(from_input)), inputs, consts, self.axis_name
             )
+        program = make() if key is None else cached(key, make)
+        return program(consts, inputs)
+
+    def _call_sharded_traced_outside(self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any) -> Any:
+        """A sharded call whose ``fun`` closes over values typed on an Explicit mesh (an array
+        created under ``jax.set_mesh``), which no ``shard_map`` body may close over: ``fun`` is
+        traced outside the body, in an empty mesh context (its equations then carry no mesh and
+        run inside the body, as a ``RowOperator``'s ``row_fn`` does), planned for one device's
+        shard, and run by :func:`_sharded_program` with its constants passed in as arguments.
+        Raises when ``fun`` needs its mesh context (the caller then explains the limitation)."""
+        shards = self._check_even(n, mesh_axes)
+        at, specs = self._sharded_specs(leaves, axes, mesh_axes)
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            traced = self._trace(leaves, treedef, axes, n, shards, mesh_axes.names)
+            if traced is None or not traced.stageable:
+                raise _Fallback(traced)
+            local = [
+                jax.ShapeDtypeStruct(replace_at(list(jax.typeof(x).shape), [a], [n // shards]), jax.typeof(x).dtype)
+                for x, a in zip(leaves, axes)
+                if a is not None
+            ]
+            spec = self._plan(traced, axes, n // shards, local, shards)
+        inputs = _sharding._conform([leaves[i] for i in at], specs, mesh_axes)
+        position = {id(leaves[i]): k for k, i in enumerate(at) if axes[i] is None}
+        from_input = tuple(position.get(id(c), -1) for c in traced.consts)
+        passed = [c for c, k in zip(traced.consts, from_input) if k < 0]
+        consts = passed
+        if isinstance(mesh_axes.mesh, jax.sharding.Mesh):  # (under a trace the mesh is abstract)
+            replicated = jax.sharding.NamedSharding(mesh_axes.mesh, P())
+            consts = [c if isinstance(c, jax.core.Tracer) else jax.device_put(c, replicated) for c in passed]
+        consts = _sharding._conform(consts, [P()] * len(consts), mesh_axes)
+        mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
+        make = functools.partial(
+            _sharded_program, self.kind, traced._replace(consts=[]), spec, mesh_axes, tuple(specs), mapped_k, from_input
+        )
+        key = None
+        if not any(isinstance(c, jax.core.Tracer) for c in passed):
+            where = ("outside", mapped_k, from_input)
+            key = _sharded_key(self.kind, traced, spec, mesh_axes, specs, where, inputs, consts, self.axis_name)
         program = make() if key is None else cached(key, make)
         return program(consts, inputs)
 
