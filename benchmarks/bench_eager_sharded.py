@@ -100,8 +100,8 @@ def main() -> None:
 
                     def call(k, name=name, chunk=chunk):
                         # a new function object per call, as a training step makes; the array
-                        # is an unmapped argument (a closure over an array created under
-                        # jax.set_mesh on an Explicit mesh is refused: design.md, Limitations)
+                        # an unmapped argument (a closure over an array created under
+                        # jax.set_mesh raised on the previous commit, on an Explicit mesh)
                         return getattr(chunkop, name)(lambda w, v: jnp.sin(v) * w, in_axes=(None, 0), chunk_size=chunk)(
                             w_of(k), x
                         )
