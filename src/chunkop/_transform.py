@@ -335,37 +335,13 @@ class Chunked:
         # type would carry the outer mesh; such a call is not cached).
         body_inputs = {id(t): k for k, t in enumerate(found["inputs"])}
         body_trace = getattr(found["inputs"][0], "_trace", None) if found["inputs"] else None
-        from_input, passed = [], []
+        from_input = []
         for c in traced.consts:
-            if id(c) in body_inputs:
-                from_input.append(body_inputs[id(c)])
-                continue
-            if isinstance(c, jax.core.Tracer) and getattr(c, "_trace", None) is body_trace:
+            if id(c) not in body_inputs and isinstance(c, jax.core.Tracer) and getattr(c, "_trace", None) is body_trace:
                 call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)  # computed in the body
                 return call(*inputs)
-            from_input.append(-1)
-            passed.append(c)
-        outer = any(isinstance(c, jax.core.Tracer) for c in passed)
-        replicated = jax.sharding.NamedSharding(mesh_axes.mesh, P())
-        consts = [c if isinstance(c, jax.core.Tracer) else jax.device_put(c, replicated) for c in passed]
-        consts = _sharding._conform(consts, [P()] * len(consts), mesh_axes)
-        make = functools.partial(
-            _sharded_program,
-            self.kind,
-            traced._replace(consts=[]),
-            spec,
-            mesh_axes,
-            tuple(specs),
-            mapped_k,
-            tuple(from_input),
-        )
-        key = None
-        if not outer:
-            key = _sharded_key(
-                self.kind, traced, spec, mesh_axes, specs, (mapped_k, tuple(from_input)), inputs, consts, self.axis_name
-            )
-        program = make() if key is None else cached(key, make)
-        return program(consts, inputs)
+            from_input.append(body_inputs.get(id(c), -1))
+        return self._run_sharded(traced, spec, mesh_axes, specs, mapped_k, inputs, tuple(from_input), "body")
 
     def _call_sharded_traced_outside(self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any) -> Any:
         """A sharded call whose ``fun`` closes over values typed on an Explicit mesh (an array
@@ -389,19 +365,38 @@ class Chunked:
         inputs = _sharding._conform([leaves[i] for i in at], specs, mesh_axes)
         position = {id(leaves[i]): k for k, i in enumerate(at) if axes[i] is None}
         from_input = tuple(position.get(id(c), -1) for c in traced.consts)
+        mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
+        return self._run_sharded(traced, spec, mesh_axes, specs, mapped_k, inputs, from_input, "outside")
+
+    def _run_sharded(
+        self,
+        traced: Traced,
+        spec: LoopSpec,
+        mesh_axes: Any,
+        specs: list,
+        mapped_k: tuple,
+        inputs: list,
+        from_input: tuple,
+        traced_where: str,
+    ) -> Any:
+        """Stage 5 of a sharded call: the jitted ``shard_map`` of ``traced``'s loop
+        (:func:`_sharded_program`). The trace's constants are read from the program's inputs
+        where ``from_input`` says so (unmapped arguments), else passed in, replicated. Cached
+        under the trace's by-value key unless a constant is a tracer of an enclosing transform.
+        ``traced_where``: inside the ``shard_map`` body or outside it (part of the key)."""
         passed = [c for c, k in zip(traced.consts, from_input) if k < 0]
         consts = passed
         if isinstance(mesh_axes.mesh, jax.sharding.Mesh):  # (under a trace the mesh is abstract)
             replicated = jax.sharding.NamedSharding(mesh_axes.mesh, P())
             consts = [c if isinstance(c, jax.core.Tracer) else jax.device_put(c, replicated) for c in passed]
         consts = _sharding._conform(consts, [P()] * len(consts), mesh_axes)
-        mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
+        stripped = traced._replace(consts=[])
         make = functools.partial(
-            _sharded_program, self.kind, traced._replace(consts=[]), spec, mesh_axes, tuple(specs), mapped_k, from_input
+            _sharded_program, self.kind, stripped, spec, mesh_axes, tuple(specs), mapped_k, from_input
         )
         key = None
         if not any(isinstance(c, jax.core.Tracer) for c in passed):
-            where = ("outside", mapped_k, from_input)
+            where = (traced_where, mapped_k, from_input)
             key = _sharded_key(self.kind, traced, spec, mesh_axes, specs, where, inputs, consts, self.axis_name)
         program = make() if key is None else cached(key, make)
         return program(consts, inputs)
