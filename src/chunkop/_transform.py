@@ -302,8 +302,8 @@ class Chunked:
                 raise
             try:  # trace outside the body, without a mesh, as a RowOperator's row_fn is
                 return self._call_sharded_traced_outside(leaves, treedef, axes, n, mesh_axes)
-            except Exception:  # noqa: BLE001 - fun needs its mesh context: the message below
-                pass
+            except Exception as outside:  # noqa: BLE001 - reported below, with the reason
+                reason = f"{type(outside).__name__}: {str(outside).splitlines()[0] if str(outside) else ''}"
             raise ValueError(
                 f"{self.where}: the mapped inputs are sharded over the Explicit mesh axes "
                 f"{mesh_axes.names}, so each device chunks its shard inside a jax.shard_map; `fun` "
@@ -313,7 +313,7 @@ class Chunked:
                 f"mesh: a reshard, a sharding constraint, a mesh-axis collective). Pass that value "
                 f"to the chunked function as an argument with in_axes=None (it then reaches every "
                 f"device replicated), or use chunk_size=None (exactly jax.vmap, unchunked). JAX's "
-                f"message: {str(e).splitlines()[0]}"
+                f"message: {str(e).splitlines()[0]} Traced outside the mesh: {reason}"
             ) from None
         if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
             return self._unchunked(args, kwargs)
