@@ -119,7 +119,7 @@ class Chunked:
                 return self._unchunked(args, kwargs)
             return self._unstaged(leaves, treedef, axes, n, spec.plan.chunk, traced.out_shapes)
         # -- stage 5: one compiled loop
-        return self._passed_through(self._run(traced, spec, traced.consts, mapped), traced)
+        return self._passed_through(_run_loop(self.kind, traced, spec, traced.consts, mapped), traced)
 
     # -- stage 3 ---------------------------------------------------------------------------------
     def _trace(
@@ -207,10 +207,7 @@ class Chunked:
     def _flat_out_axes(self, out_shapes: Any) -> tuple:
         return tuple(flat_out_axes(self.out_axes, out_shapes, self.where)) if self.kind == "stack" else ()
 
-    # -- stage 5 ---------------------------------------------------------------------------------
-    def _run(self, traced: Traced, spec: LoopSpec, consts: list, mapped: list) -> Any:
-        return _run_loop(self.kind, traced, spec, consts, mapped)
-
+    # -- stage 5 (the loop: :func:`_run_loop`) ---------------------------------------------------
     def _passed_through(self, out: Any, traced: Traced) -> Any:
         """An unmapped output that is one of ``fun``'s unmapped inputs unchanged (a constant of
         the trace, ``out_axes=None``) is returned as that very array, as ``jax.vmap`` does:
@@ -267,7 +264,7 @@ class Chunked:
             if plan_only:
                 found["prepared"], found["inputs"] = (traced, spec), d
                 return None
-            return self._run(traced, spec, traced.consts, mapped), spec.out_axes
+            return _run_loop(self.kind, traced, spec, traced.consts, mapped), spec.out_axes
 
         call = _shard_map_call(self.kind, mesh_axes, specs, local_result, plan_only)
         return call, _sharding._conform([leaves[i] for i in at], specs, mesh_axes), found
@@ -395,9 +392,22 @@ class Chunked:
             _sharded_program, self.kind, stripped, spec, mesh_axes, tuple(specs), mapped_k, from_input
         )
         key = None
-        if not any(isinstance(c, jax.core.Tracer) for c in passed):
-            where = (traced_where, mapped_k, from_input)
-            key = _sharded_key(self.kind, traced, spec, mesh_axes, specs, where, inputs, consts, self.axis_name)
+        if not any(isinstance(c, jax.core.Tracer) for c in passed):  # (what the program depends on)
+            key = _loop_key(
+                self.kind,
+                traced.key,
+                spec,
+                "sharded",
+                traced_where,
+                traced.derivative_error,
+                mesh_axes,
+                tuple(specs),
+                mapped_k,
+                from_input,
+                tuple(jax.typeof(x) for x in inputs),
+                tuple(jax.typeof(c) for c in consts),
+                self.axis_name,
+            )
         program = make() if key is None else cached(key, make)
         return program(consts, inputs)
 
@@ -547,36 +557,15 @@ def _sharded_program(
     return jax.jit(program)
 
 
-def _sharded_key(
-    kind: str,
-    traced: Traced,
-    spec: LoopSpec,
-    mesh_axes: Any,
-    specs: list,
-    mapped_k: tuple,
-    inputs: list,
-    consts: list,
-    axis_name: Any,
-) -> Hashable | None:
-    """What an eager sharded program depends on, or None when it cannot be keyed by value: the
-    trace (by value, as the loops are keyed), the plan, the mesh and specs, the inputs' and
-    constants' types (shapes, dtypes, shardings)."""
-    if traced.key is None:
+def _loop_key(kind: str, traced_key: Hashable | None, spec: LoopSpec, *more: Any) -> Hashable | None:
+    """The cache key of a compiled loop (or of a sharded program around one, ``more`` its mesh,
+    specs and types): ``kind``, the trace's by-value key and the plan, with its ``remat`` /
+    ``progress`` settings keyed; None when something cannot be keyed (the call runs uncached)."""
+    if traced_key is None:
         return None
     try:
-        key = (
-            "sharded",
-            kind,
-            traced.key,
-            traced.derivative_error,
-            spec._replace(remat=setting_key(spec.remat), progress=setting_key(spec.progress)),
-            mesh_axes,
-            tuple(specs),
-            mapped_k,
-            tuple(jax.typeof(x) for x in inputs),
-            tuple(jax.typeof(c) for c in consts),
-            axis_name,
-        )
+        key = (kind, traced_key, spec._replace(remat=setting_key(spec.remat), progress=setting_key(spec.progress)))
+        key += more
         hash(key)
     except (Uncacheable, TypeError):
         return None
@@ -592,12 +581,8 @@ class _Fallback(Exception):
 def _cached_loop(kind: str, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:
     """The jitted loop for ``(kind, key, spec)`` from the cache; made uncached when a setting
     (a ``remat`` policy, a ``progress`` callable) cannot be keyed."""
-    try:
-        full_key = (kind, key, spec._replace(remat=setting_key(spec.remat), progress=setting_key(spec.progress)))
-        hash(full_key)
-    except (Uncacheable, TypeError):
-        return make()
-    return cached(full_key, lambda: jax.jit(make()))
+    full_key = _loop_key(kind, key, spec)
+    return make() if full_key is None else cached(full_key, lambda: jax.jit(make()))
 
 
 def chunked(fun: Callable, *args: Any, **kwargs: Any) -> Callable:

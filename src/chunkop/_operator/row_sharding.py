@@ -213,14 +213,17 @@ def sharded_apply(
         The rows of ``A x``, sharded along axis 0 like ``rows``; or ``A^T y``, replicated.
     """
     _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
-    by_rows = lambda tree: jax.tree_util.tree_map(lambda _: spec_at(0, mesh_axes.names), tree)
-    consts, rows, vector = (
-        _conform(consts, rep(consts), mesh_axes),
-        _conform(rows, by_rows(rows), mesh_axes),
-        _conform(vector, by_rows(vector) if transpose else rep(vector), mesh_axes),
-    )
+    specs = _in_specs(consts, rows, vector, mesh_axes.names, transpose)
+    consts, rows, vector = (_conform(t, p, mesh_axes) for t, p in zip((consts, rows, vector), specs))
     return _sharded_program(consts, rows, vector, kernel=kernel, spec=spec, mesh_axes=mesh_axes, transpose=transpose)
+
+
+def _in_specs(consts: Any, rows: Any, vector: Any, names: tuple, transpose: bool) -> tuple:
+    """The ``shard_map`` specs of a row-sharded kernel's operands: ``consts`` replicated, ``rows``
+    split along the row axis, the vector replicated (``x``) or split like the rows (``y``)."""
+    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
+    by_rows = lambda tree: jax.tree_util.tree_map(lambda _: spec_at(0, names), tree)
+    return rep(consts), by_rows(rows), by_rows(vector) if transpose else rep(vector)
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "spec", "mesh_axes", "transpose"))
@@ -233,9 +236,6 @@ def _sharded_program(
     on 4 CPU devices). The arrays (``consts``, ``rows``, ``vector``) are arguments, never
     baked in."""
     names = mesh_axes.names
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
-    by_rows = lambda tree: jax.tree_util.tree_map(lambda _: spec_at(0, names), tree)
-    vector_specs = by_rows(vector) if transpose else rep(vector)
 
     def local(c: Any, r: Any, v: Any) -> Any:
         with _inside_local():
@@ -245,7 +245,7 @@ def _sharded_program(
     return jax.shard_map(
         local,
         mesh=mesh_axes.mesh,
-        in_specs=(rep(consts), by_rows(rows), vector_specs),
+        in_specs=_in_specs(consts, rows, vector, names, transpose),
         out_specs=P() if transpose else spec_at(0, names),
         axis_names=set(names),
         check_vma=False,
