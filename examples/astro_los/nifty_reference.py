@@ -90,6 +90,8 @@ class Dense:
         z_log = np.asarray(st["log_sky_z"])
         return {
             "column_within_2std": float(jnp.mean(jnp.abs(st["column_z"]) < 2)),
+            "column_within_1std": float(jnp.mean(jnp.abs(st["column_z"]) < 1)),
+            "column_z": [round(float(z), 3) for z in st["column_z"]],
             "log_sky_within_2std": float(np.mean(np.abs(z_log) < 2)),
             "measured_within_2std": float(jnp.mean(jnp.abs(st["measured_z"]) < 2)),
             "median_abs_z_column": float(jnp.median(jnp.abs(st["column_z"]))),

@@ -49,7 +49,9 @@ The data constrain about one radial combination per pixel (``examples/astro_los/
 latent space; ``nifty_reference.py`` computes the exact posterior of the linearised problem, the
 Laplace posterior and an HMC reference, and ``docs/nifty.md`` has the measured numbers
 (``nifty_tiny_results.json``): with the ``wide`` prior and 2% noise the posterior is far from
-Gaussian and MGVI is over-confident; with the default it is Gaussian and MGVI is calibrated.
+Gaussian and MGVI is over-confident; with the default it is nearly Gaussian and MGVI nearly
+calibrated: ``nifty_calibration.py`` runs 20 truths, where MGVI covers 92.7% of the columns within
+2 sigma and the exact posterior 94.5% (``nifty_calibration.json``).
 """
 
 from __future__ import annotations
@@ -576,6 +578,7 @@ def run(
         "rel_err_column": rel_err(st["column_mean"], col_true),
         "rel_err_column_prior": rel_err(prior_sky.sum(-1), col_true),
         "column_within_2std": cover(st["column_z"]),
+        "column_within_1std": float(jnp.mean(jnp.abs(st["column_z"]) < 1)),
         "measured_within_2std": cover(st["measured_z"]),
         "log_sky_within_2std": cover(z_log),
         "sky_within_2std": cover(z_log),
@@ -583,6 +586,7 @@ def run(
         "median_abs_z_log_sky": float(jnp.median(jnp.abs(z_log))),
         "mean_z_column": float(jnp.mean(st["column_z"])),
         "mean_z_log_sky": float(jnp.mean(z_log)),
+        "column_z": [round(float(z), 3) for z in st["column_z"]],  # per pixel: (truth - mean) / std
         "per_bin": {
             "r_pc": [float(r) for r in r_mid],
             "log_sky_within_2std": [float(c) for c in jnp.mean(jnp.abs(z_log) < 2, 0)],
@@ -603,7 +607,7 @@ def run(
     }
     if verbose:
         for k, v in results.items():
-            if k in ("kl_history", "latents", "per_bin"):
+            if k in ("kl_history", "latents", "per_bin", "column_z"):
                 continue
             print(f"  {k}: {v:.4g}" if isinstance(v, float) else f"  {k}: {v}")
         print("  per distance bin (r pc: 2-sigma coverage of log sky, posterior/prior std):")
