@@ -152,7 +152,7 @@ def test_mgvi_run_tiny(tmp_path):
     assert results["rel_err_column"] < 0.3 * results["rel_err_column_prior"]
     # calibration: what the lines measure, the column and the log-sky voxels. Seed 0's truth is
     # covered by the exact posterior (HMC, nifty_reference.py) in 83% of the columns and 78% of
-    # the voxels, MGVI 75% and 65%; over 20 truths MGVI covers 92.7% of the columns, HMC 94.5%
+    # the voxels, MGVI 75% and 65%; over 60 truths MGVI covers 94.5% of the columns, HMC 96.3%
     # (nifty_calibration.json, docs/nifty.md)
     assert results["measured_within_2std"] >= 0.85
     assert results["column_within_2std"] >= 0.7
@@ -201,7 +201,8 @@ def test_calibration_mgvi_tracks_exact_posterior():
         got = {m: nifty_calibration.one_truth(seed, m, 2000) for m in ("mgvi", "hmc")}
         for m, e in got.items():
             assert e["column_within_2std"] == pytest.approx(committed[m][str(seed)]["column_within_2std"], abs=0.05)
-        # within 12.5 points (6 of 48 columns) and 0.38 in mean z on all 20 committed truths
+        # committed: within 8.3 points (4 of 48 columns) and 0.22 in mean z on seeds 0-3; the
+        # bounds leave room for the suite's -O0 flags, under which a 10-point bound failed once
         cov = {m: e["column_within_2std"] for m, e in got.items()}
         assert abs(cov["mgvi"] - cov["hmc"]) <= 0.15, (seed, cov)
         assert abs(np.mean(got["mgvi"]["column_z"]) - np.mean(got["hmc"]["column_z"])) <= 0.45, seed

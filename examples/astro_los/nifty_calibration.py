@@ -114,7 +114,7 @@ def plot(res: dict, path: str) -> None:
         x = [ps["hmc"][k]["column_within_2std"] * 100 for k in both]
         y = [ps[m][k]["column_within_2std"] * 100 for k in both]
         n = "32" if m == "mgvi" else "128"
-        a1.scatter(x, y, s=22, marker=marker, label=f"MGVI, {n} samples")
+        a1.scatter(x, y, s=22, marker=marker, label=f"MGVI, {n} samples ({len(both)} truths)")
         for k, xi, yi in zip(both, x, y):  # the truths below 80%, once per point that stands apart
             y32 = ps["mgvi"].get(k, {}).get("column_within_2std", 2.0) * 100
             if min(xi, yi) < 80 and (m == "mgvi" or abs(yi - y32) > 10):
@@ -138,7 +138,7 @@ def plot(res: dict, path: str) -> None:
                 density=True,
                 histtype="step",
                 lw=1.5,
-                label=f"{ {'mgvi': 'MGVI, 32', 'mgvi128': 'MGVI, 128', 'hmc': 'HMC'}[m] }: "
+                label=f"{ {'mgvi': 'MGVI, 32', 'mgvi128': 'MGVI, 128', 'hmc': 'HMC'}[m] } ({s['truths']} truths): "
                 f"{s['pooled_column_within_2std']:.1%} within 2 sigma, "
                 f"{s['pooled_column_within_1std']:.1%} within 1",
             )
