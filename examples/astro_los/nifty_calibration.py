@@ -1,6 +1,6 @@
 """Calibration of the NIFTy.re example over many truths: how often is the truth's column covered?
 
-    python examples/astro_los/nifty_calibration.py [--seeds 0-19] [--methods mgvi,hmc]
+    python examples/astro_los/nifty_calibration.py [--seeds 0-19] [--methods mgvi,hmc,mgvi128]
                                                    [--hmc-iters N] [--out FILE] [--figure PNG]
 
 One truth says little about a posterior's error bars: the 48 columns of the ``tiny`` size share
@@ -41,6 +41,7 @@ import nifty_reference
 import nifty_vi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LABELS = {"mgvi": "MGVI, 32 samples", "mgvi128": "MGVI, 128 samples", "hmc": "HMC"}
 KEYS = ("column_within_2std", "column_within_1std", "log_sky_within_2std", "measured_within_2std", "column_z")
 
 
@@ -113,8 +114,7 @@ def plot(res: dict, path: str) -> None:
         n_truths = max(n_truths, len(both))
         x = [ps["hmc"][k]["column_within_2std"] * 100 for k in both]
         y = [ps[m][k]["column_within_2std"] * 100 for k in both]
-        n = "32" if m == "mgvi" else "128"
-        a1.scatter(x, y, s=22, marker=marker, label=f"MGVI, {n} samples ({len(both)} truths)")
+        a1.scatter(x, y, s=22, marker=marker, label=f"{LABELS[m]} ({len(both)} truths)")
         for k, xi, yi in zip(both, x, y):  # the truths below 80%, once per point that stands apart
             y32 = ps["mgvi"].get(k, {}).get("column_within_2std", 2.0) * 100
             if min(xi, yi) < 80 and (m == "mgvi" or abs(yi - y32) > 10):
@@ -138,7 +138,7 @@ def plot(res: dict, path: str) -> None:
                 density=True,
                 histtype="step",
                 lw=1.5,
-                label=f"{ {'mgvi': 'MGVI, 32', 'mgvi128': 'MGVI, 128', 'hmc': 'HMC'}[m] } ({s['truths']} truths): "
+                label=f"{LABELS[m]} ({s['truths']} truths): "
                 f"{s['pooled_column_within_2std']:.1%} within 2 sigma, "
                 f"{s['pooled_column_within_1std']:.1%} within 1",
             )

@@ -89,12 +89,8 @@ class Dense:
         st = nifty_vi.posterior_stats(self.S, self.vsky(jnp.asarray(xs, jnp.float32)))
         z_log = np.asarray(st["log_sky_z"])
         return {
-            "column_within_2std": float(jnp.mean(jnp.abs(st["column_z"]) < 2)),
-            "column_within_1std": float(jnp.mean(jnp.abs(st["column_z"]) < 1)),
-            "column_z": [round(float(z), 3) for z in st["column_z"]],
+            **nifty_vi.column_coverage(st),
             "log_sky_within_2std": float(np.mean(np.abs(z_log) < 2)),
-            "measured_within_2std": float(jnp.mean(jnp.abs(st["measured_z"]) < 2)),
-            "median_abs_z_column": float(jnp.median(jnp.abs(st["column_z"]))),
             "per_bin_log_sky_within_2std": [round(float(c), 3) for c in np.mean(np.abs(z_log) < 2, 0)],
             "per_bin_mean_z": [round(float(c), 2) for c in z_log.mean(0)],
         }
