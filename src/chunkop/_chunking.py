@@ -123,30 +123,25 @@ def _is_plain(a: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
 
 
-def _always_true(tree: Any) -> jax.Array | None:
-    """A scalar ``True`` computed from ``tree``'s data, which XLA cannot prove true.
+def _index_predicate(key: jax.Array | int) -> jax.Array:
+    """A scalar ``True`` computed from a chunk index, which XLA cannot prove true.
 
-    ``(bits of the first element | 1) != 0``, from the first non-empty numeric leaf (``None``
-    when there is none). It holds for every value, NaNs and zeros included.
+    ``(bits of the index | 1) != 0`` holds for every index. The index first passes through
+    ``lax.optimization_barrier``: a constant index (the remainder chunk's, or the full chunk's
+    once XLA inlines a scan of one step) would otherwise be folded, and the conditional with
+    it. XLA:CPU removes that barrier only after it has simplified the conditionals, so the
+    conditional stays (``tests/test_remainder_transpose.py`` checks the optimized HLO).
     """
-    for leaf in jax.tree_util.tree_leaves(tree):
-        if not _is_plain(leaf) or np.size(leaf) == 0:
-            continue
-        v = jnp.ravel(leaf)[0]
-        if jnp.issubdtype(v.dtype, jnp.complexfloating):
-            v = jnp.real(v)
-        if v.dtype == jnp.bool_:
-            v = v.astype(jnp.uint8)
-        bits = jax.lax.bitcast_convert_type(v, jnp.dtype(f"uint{8 * v.dtype.itemsize}"))
-        return (bits | 1) != 0
-    return None
+    index = jax.lax.optimization_barrier(jnp.asarray(key, jnp.int32))
+    return (jax.lax.bitcast_convert_type(index, jnp.uint32) | 1) != 0
 
 
-def fusion_barrier(chunk: Any, key: jax.Array | None = None) -> Any:
+def fusion_barrier(chunk: Any, key: jax.Array | int | None = None) -> Any:
     """A chunk's mapped operands, passed through a conditional XLA cannot remove (CPU only).
 
     Applied by the chunk loops to every chunk they read (not to a plan of one chunk, which reads
-    no slice).
+    no slice), with ``key`` the chunk's index: the scan's index for the full chunks, the Python
+    int ``n_full`` for the remainder (``None`` stands for index 0).
 
     The scan reads each chunk as a slice of the stacked rows (a ``dynamic-slice`` of the
     scan's input). XLA:CPU fuses that slice into the loop fusion that computes the weights
@@ -154,36 +149,43 @@ def fusion_barrier(chunk: Any, key: jax.Array | None = None) -> Any:
     ``-diff(exp(-(d - b) / (d s b)))``, whose ``exp`` of shape ``(chunk, n_bins + 1)`` both
     slices of the ``diff`` read) the fusion ran about 4x slower than the same fusion fed by
     plain buffers, as in the unchunked program. Passing the chunk's operands through a
-    ``lax.cond`` on a predicate that is always true but computed from the data
-    (:func:`_always_true`; the false branch returns zeros) makes the chunk a separate buffer:
-    XLA keeps a conditional whose branches differ, and nothing fuses across it. The weights
-    still fuse into their consumer (the gather-dot of the matvec, the scatter-add's update of
-    the transpose), which is the fastest form where the weights are cheap (the expm1 form).
+    ``lax.cond`` on a predicate that is always true but opaque to XLA (:func:`_index_predicate`;
+    the false branch returns zeros) makes the chunk a separate buffer: XLA keeps a conditional
+    whose branches differ, and nothing fuses across it. The weights still fuse into their
+    consumer (the gather-dot of the matvec, the scatter-add's update of the transpose), which
+    is the fastest form where the weights are cheap (the expm1 form).
 
-    ``lax.optimization_barrier`` on the computed weights (the previous barrier) is absent from
+    ``lax.optimization_barrier`` on the computed weights (an earlier barrier) is absent from
     XLA:CPU's optimized HLO, and a ``lax.cond`` passing the computed weights through two
     identical branches did not help (issue #16). Checked on the optimized HLO
-    (``tests/test_operator_fusion.py``). The scan's chunks pass ``key``, the chunk's index in
-    the scan, and the predicate is computed from it: under ``jax.vmap`` (an operator over sets
-    of rows) a predicate computed from the batched chunk would be batched, and JAX would turn
-    the conditional into a ``select``, which fuses (the literal transpose over two row sets ran
-    2.75x plain JAX); the index is never batched. The remainder chunk's predicate comes from its
-    data. Other backends get no barrier until measured there.
+    (``tests/test_operator_fusion.py``).
 
-    The chunked transforms gate each chunk's mapped inputs the same way (:func:`stack_chunks`,
-    :func:`sum_chunks`): ``jax.linear_transpose`` of ``chunkop.vmap`` of the literal row function
-    fell from 588 to 107 ms (plain unchunked JAX: 208 ms), its grad from 752 to 236 ms.
+    The predicate comes from the chunk index, never from the chunk's data, for every chunk
+    alike: under ``jax.vmap`` (an operator over sets of rows) a predicate computed from the
+    batched chunk would be batched, and JAX would turn the conditional into a ``select``, which
+    fuses; the index is never batched. And under ``jax.linear_transpose`` the data is linear,
+    so no predicate may be computed from it.
+
+    The barrier is chosen per platform when the program is lowered
+    (``jax.lax.platform_dependent``): the conditional on CPU, the chunk unchanged on every other
+    platform (none measured there). So a program exported on a CPU host for an accelerator
+    carries no barrier, and one exported for several platforms carries it for CPU only.
     """
-    if jax.default_backend() != "cpu":
-        return chunk
     leaves, tree = jax.tree_util.tree_flatten(chunk)
-    gated = [i for i, a in enumerate(leaves) if _is_plain(a)]
-    pred = _always_true([leaves[i] for i in gated] if key is None else [key]) if gated else None
-    if pred is None:
+    gated = [i for i, a in enumerate(leaves) if _is_plain(a) and np.size(a)]
+    if not gated:
         return chunk
-    through = jax.lax.cond(
-        pred, lambda ls: list(ls), lambda ls: [jnp.zeros_like(a) for a in ls], [leaves[i] for i in gated]
-    )
+    index = 0 if key is None else key
+
+    def on_cpu(index: jax.Array | int, ls: list) -> list:
+        return jax.lax.cond(
+            _index_predicate(index), lambda ls: list(ls), lambda ls: [jnp.zeros_like(a) for a in ls], ls
+        )
+
+    def elsewhere(index: jax.Array | int, ls: list) -> list:
+        return list(ls)
+
+    through = jax.lax.platform_dependent(index, [leaves[i] for i in gated], cpu=on_cpu, default=elsewhere)
     for i, a in zip(gated, through):
         leaves[i] = a
     return jax.tree_util.tree_unflatten(tree, leaves)
@@ -219,7 +221,8 @@ def _full_chunks(
 def _remainder(chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat) -> Any:
     """``chunk_fn`` on the last ``n % chunk`` elements (only called when there are some)."""
     cut = plan.n_full * plan.chunk
-    return rematerialise(lambda rest: chunk_fn(fusion_barrier(list(rest)), plan.rem), remat)([x[cut:] for x in mapped])
+    apply = lambda rest: chunk_fn(fusion_barrier(list(rest), key=plan.n_full), plan.rem)
+    return rematerialise(apply, remat)([x[cut:] for x in mapped])
 
 
 def stack_chunks(
