@@ -55,6 +55,7 @@ import os
 import re
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -106,7 +107,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import learn  # noqa: E402
 import los  # noqa: E402
+from catalog import Catalog, CatalogError, load_catalog, write_catalog  # noqa: E402
 
 import chunkop  # noqa: E402
 
@@ -124,410 +127,6 @@ def peak_rss_bytes() -> int:
 
 def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
-
-
-# -- the regularised normal equations -----------------------------------------------------------
-
-
-def prior_scales(P: los.Problem) -> dict:
-    """Prior standard deviations of ``z`` (relative deviation from the prior mean).
-
-    ``s_z``: amplitude; ``s_r``: step between adjacent radial bins (a random walk of 0.03 per
-    square root of a unit of ln r: z is nearly constant along a line of sight, which is what lets
-    the data, about one well-measured combination of the radial bins per pixel, say something
-    about every bin); ``s_xy``: step between adjacent pixels (a random walk of 1.5 over the grid
-    width).
-    """
-    dlnr = float(np.log(P.edges[1] / P.edges[0]))
-    return {"s_z": 0.6, "s_r": 0.03 * np.sqrt(dlnr), "s_xy": 1.5 / np.sqrt(max(P.nx, P.ny))}
-
-
-def _dtd(z: jax.Array, axis: int) -> jax.Array:
-    """``D^T D z`` for the first-difference operator ``D`` along ``axis`` (free ends).
-
-    Written as ``c_i z_i - z_{i-1} - z_{i+1}`` (``c`` = number of neighbours, missing ones are
-    zero) from shifted, zero-padded views: XLA fuses it into one loop, no temporaries.
-    """
-    n = z.shape[axis]
-    if n == 1:
-        return jnp.zeros_like(z)
-    lo, hi = [(0, 0)] * z.ndim, [(0, 0)] * z.ndim
-    lo[axis], hi[axis] = (1, 0), (0, 1)
-    prev = jnp.pad(jax.lax.slice_in_dim(z, 0, n - 1, axis=axis), lo)
-    nxt = jnp.pad(jax.lax.slice_in_dim(z, 1, n, axis=axis), hi)
-    shape = [1] * z.ndim
-    shape[axis] = n
-    c = jnp.asarray(_dtd_diag(n), z.dtype).reshape(shape)
-    return c * z - prev - nxt
-
-
-def _dtd_diag(n: int) -> np.ndarray:
-    out = np.full(n, 2.0) if n > 1 else np.zeros(n)
-    if n > 1:
-        out[0] = out[-1] = 1.0
-    return out
-
-
-def prior_apply(z: jax.Array, P: los.Problem, sc: dict) -> jax.Array:
-    """The prior's precision ``R z`` (Tikhonov + radial + plane-of-sky first differences)."""
-    out = z / sc["s_z"] ** 2 + _dtd(z, 1) / sc["s_r"] ** 2
-    zg = z.reshape(P.nx, P.ny, -1)
-    out = out + ((_dtd(zg, 0) + _dtd(zg, 1)) / sc["s_xy"] ** 2).reshape(z.shape)
-    return out
-
-
-def prior_diag(P: los.Problem, sc: dict) -> jax.Array:
-    """``diag(R)`` (shape ``(n_pix, n_bins)``), built by broadcasting small vectors."""
-    dx, dy, dr = _dtd_diag(P.nx), _dtd_diag(P.ny), _dtd_diag(P.n_bins)
-    pix = ((dx[:, None] + dy[None, :]) / sc["s_xy"] ** 2).reshape(-1).astype(np.float32)
-    rad = (1.0 / sc["s_z"] ** 2 + dr / sc["s_r"] ** 2).astype(np.float32)
-    return jnp.asarray(pix)[:, None] + jnp.asarray(rad)[None, :]
-
-
-def normal_operator(A: chunkop.RowOperator, P: los.Problem, sc: dict) -> lx.AbstractLinearOperator:
-    """``H z = mu (A^T A (mu z)) / sigma^2 + R z`` as a symmetric positive definite lineax operator."""
-    mu, inv_var = P.prior_mean, 1.0 / P.sigma**2
-
-    def mv(z: jax.Array) -> jax.Array:
-        return mu * A.T.mv(A.mv(mu * z)) * inv_var + prior_apply(z, P, sc)
-
-    return lx.FunctionLinearOperator(mv, A.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag))
-
-
-def rhs(A: chunkop.RowOperator, P: los.Problem) -> jax.Array:
-    """``mu A^T (y - A mu) / sigma^2`` (the normal equations' right-hand side for ``z``)."""
-    mu_sky = jnp.broadcast_to(P.prior_mean, A.in_structure().shape)
-    return P.prior_mean * A.T.mv(P.y - A.mv(mu_sky)) / P.sigma**2
-
-
-def jacobi_preconditioner(
-    A: chunkop.RowOperator, P: los.Problem, sc: dict, record: Callable | None
-) -> lx.AbstractLinearOperator:
-    """``kappa * diag(H)^-1``, reporting each residual it is applied to (CG applies it once per step).
-
-    ``kappa`` only rescales CG's internal quantities (the iterates are invariant to it), but
-    lineax's CG declares breakdown (returns NaN) when ``<p, H p> <= 100 * n * eps * <r, M r>``:
-    a threshold that grows with the problem size ``n``, while ``<p, H p> / <r, M r>`` is a
-    Rayleigh quotient of the preconditioned operator, which for smooth directions of the strong
-    radial prior is ~1e-5 (the Jacobi diagonal is dominated by ``2 / s_r^2``). With
-    ``kappa = 1e9 * n * eps`` the quotient stays ~100x above the threshold; ``solve`` normalises
-    the right-hand side to unit norm so the (kappa-scaled) CG scalars stay far from overflow.
-    """
-    diag = P.prior_mean**2 * los.gram_diagonal(A, P.edges) / P.sigma**2 + prior_diag(P, sc)
-    n = int(np.prod(A.in_structure().shape))
-    kappa = max(1.0, 1e9 * n * float(jnp.finfo(jnp.float32).eps))
-    inv = kappa / diag
-
-    def mv(r: jax.Array) -> jax.Array:
-        if record is not None:
-            jax.debug.callback(record, jnp.sqrt(jnp.sum(r * r)))
-        return inv * r
-
-    return lx.FunctionLinearOperator(mv, A.in_structure(), tags=(lx.symmetric_tag, lx.positive_semidefinite_tag))
-
-
-class Recorder:
-    """Collects ``|r_k|`` from inside the jitted CG loop and prints progress."""
-
-    def __init__(self, every: int):
-        self.every, self.res, self.times, self.b_norm = every, [], [], None
-
-    def __call__(self, r_norm: Any) -> None:
-        self.res.append(float(r_norm))
-        if self.b_norm is None:  # CG starts from 0: the first residual is b itself
-            self.b_norm = self.res[0]
-        self.times.append(time.perf_counter())
-        k = len(self.res) - 1
-        if k % self.every == 0:
-            rel = self.res[-1] / self.b_norm if self.b_norm else self.res[-1]
-            log(f"  CG iteration {k:4d}: |r| / |b| = {rel:.3e}")
-
-
-def solve(
-    A: chunkop.RowOperator,
-    P: los.Problem,
-    sc: dict,
-    iters: int,
-    rtol: float,
-    recorder: Recorder | None,
-    stabilise_every: int | None = 10,
-):
-    """Jacobi-preconditioned ``lineax.CG`` on the normal equations; returns ``(z, steps, result)``.
-
-    With ``rtol=0`` and ``stabilise_every=None`` (the seed run: a fixed, small number of
-    iterations) CG's loop carries the fewest sky-sized arrays (5 + the right-hand side).
-    """
-    H = normal_operator(A, P, sc)
-    M = jacobi_preconditioner(A, P, sc, recorder)
-    b = rhs(A, P)
-    b_norm = jnp.sqrt(jnp.sum(b * b))
-    solver = lx.CG(rtol=rtol, atol=0.0, max_steps=iters, stabilise_every=stabilise_every)
-    sol = lx.linear_solve(H, b / b_norm, solver, options={"preconditioner": M}, throw=False)
-    return sol.value * b_norm, sol.stats["num_steps"], sol.result
-
-
-# -- a prior given by its covariance: the channel-space and data-space solves -------------------
-#
-# z (the relative deviation from the prior mean, sky = mu (1 + z)) is a sum of channels, each a
-# plane-of-sky Gaussian random field (a stationary covariance on the periodic nx x ny grid, applied
-# by FFT) times a fixed radial profile:
-#
-#     z[p, k] = sum_c zeta_c[p] U[k, c],     zeta_c ~ N(0, C_c) independent, C_c(0) = 1,
-#
-# so S = Cov(z) = sum_c C_c (x) U_c U_c^T. Channel 0 is constant along the line of sight (the
-# truth's plane-of-sky field g); the others are the leading eigenvectors of the radial covariance
-# of the truth's clouds. With B = A diag(mu), the posterior mean is
-#
-#     z = S B^T (B S B^T + sigma^2 I)^-1 (y - A mu)              (data space: n_los unknowns)
-#       = C^1/2 xi,  (I + C^1/2 Bu^T Bu C^1/2 / sigma^2) xi = C^1/2 Bu^T (y - A mu) / sigma^2
-#                                                                (whitened channels: n_pix x C)
-#
-# where Bu (zeta -> A (mu * zeta U^T)) is a RowOperator on A's rows whose weights are projected on
-# the radial profiles ((w * mu) @ U: n_bins -> C numbers per line, recomputed chunk by chunk).
-# Neither solve forms a sky: a step is one Bu.T.mv, FFTs on (n_pix, C) arrays and one Bu.mv; the
-# one sky-sized array is the answer, mu (1 + zeta U^T).
-
-
-def _gauss_corr(nx: int, ny: int, corr: float) -> np.ndarray:
-    """Correlation function (``(nx, ny)``, periodic lags) of white noise filtered by the Gaussian
-    kernel of sd ``corr`` pixels and normalised to zero mean, as ``los._smooth_field`` draws the
-    truth's plane-of-sky field: its power is the kernel's squared transform, zero at ``k = 0``."""
-    kx, ky = np.fft.fftfreq(nx)[:, None], np.fft.fftfreq(ny)[None, :]
-    power = np.exp(-((2 * np.pi * corr) ** 2) * (kx**2 + ky**2))
-    power[0, 0] = 0.0
-    c = np.fft.ifft2(power).real
-    return c / c[0, 0]
-
-
-def _unit_power(cov: np.ndarray) -> np.ndarray:
-    """The rfft2-layout power (``(nx, ny // 2 + 1)``) of a periodic stationary covariance function,
-    clipped at 0 and scaled to unit variance (mean power 1)."""
-    p = np.maximum(np.fft.fft2(cov).real, 0.0)
-    p /= p.mean()
-    return p[:, : cov.shape[1] // 2 + 1]
-
-
-def covariance_prior(P: los.Problem, n_cloud_modes: int = 12) -> dict:
-    """The prior covariance ``S`` of ``z``, matched to how ``los.make_problem`` draws the truth.
-
-    The truth is ``sky = rho(r) exp(g + clouds)``, the prior mean ``mu = rho exp(g_sd^2 / 2)``:
-
-    * ``g``: a periodic Gaussian random field of sd ``g_sd`` and correlation ``rho_g`` (white noise
-      filtered by a Gaussian kernel of sd ``max(nx, ny) / 8`` pixels), constant along the line of
-      sight. Its share of ``z``, ``exp(g - g_sd^2 / 2) - 1``, has covariance
-      ``exp(g_sd^2 rho_g) - 1`` exactly: channel 0, radial profile 1.
-    * six clouds ``a exp(-|x - x_j|^2 / 2 w^2) exp(-(ln r - l_j)^2 / 2 0.25^2)`` with
-      ``a ~ U(0.4, 0.9)``, ``w ~ U(0.05, 0.12) max(nx, ny)``, ``l_j ~ U(ln 60, ln 800)``: the second
-      moment of their share of ``z`` (``~ (e^a - 1) blob``), averaged over positions, is
-      ``6 E[(e^a - 1)^2] E_w[blob_xy * blob_xy](delta) K_r`` with
-      ``K_r[k, k'] = E_l[blob_r(k; l) blob_r(k'; l)]``; channels 1.. are ``K_r``'s leading
-      ``n_cloud_modes`` eigenvectors (times the square roots of their eigenvalues), all with the
-      plane-of-sky covariance ``E_w[pi w^2 exp(-|delta|^2 / 4 w^2)] / (nx ny)``.
-
-    Returns ``U`` (``(n_bins, n_channels)`` float32) and ``power`` (``(nx, ny // 2 + 1,
-    n_channels)`` float32, each channel of unit variance), and a few numbers for the report.
-    The mean of the clouds and the product ``z_g z_clouds`` are left out (a Gaussian prior).
-    """
-    nx, ny = P.nx, P.ny
-    g_sd = float(P.field["g_sd"])
-    lr = np.log(P.centres)
-    # channel 0: exp(g - g_sd^2/2) - 1
-    cov_g = np.expm1(g_sd**2 * _gauss_corr(nx, ny, max(nx, ny) / 8.0))
-    # clouds: plane-of-sky autocovariance of a blob, averaged over the widths (periodic lags)
-    dx = np.minimum(np.arange(nx), nx - np.arange(nx))[:, None].astype(float)
-    dy = np.minimum(np.arange(ny), ny - np.arange(ny))[None, :].astype(float)
-    ws = np.linspace(0.05, 0.12, 15) * max(nx, ny)
-    cov_c = np.mean([np.pi * w**2 * np.exp(-(dx**2 + dy**2) / (4 * w**2)) for w in ws], axis=0) / (nx * ny)
-    a = np.linspace(0.4, 0.9, 201)
-    var_c = 6 * float(np.mean(np.expm1(a) ** 2)) * min(1.0, float(cov_c[0, 0]))
-    centres = np.linspace(np.log(60.0), np.log(800.0), 200)
-    blob_r = np.exp(-0.5 * ((lr[None, :] - centres[:, None]) / 0.25) ** 2)  # (n_centres, n_bins)
-    K_r = var_c * (blob_r.T @ blob_r) / centres.size
-    lam, vec = np.linalg.eigh(K_r)
-    order = np.argsort(lam)[::-1][:n_cloud_modes]
-    U_cloud = vec[:, order] * np.sqrt(np.maximum(lam[order], 0.0))
-    U = np.concatenate([np.full((P.n_bins, 1), np.sqrt(cov_g[0, 0])), U_cloud], axis=1)
-    p_g, p_c = _unit_power(cov_g), _unit_power(cov_c)
-    power = np.stack([p_g] + [p_c] * U_cloud.shape[1], axis=-1)
-    return {
-        "U": jnp.asarray(U, jnp.float32),
-        "power": jnp.asarray(power, jnp.float32),
-        "n_channels": int(U.shape[1]),
-        "sd_g": float(U[0, 0]),
-        "cloud_var": var_c,
-        "cloud_eigenvalues": [float(v) for v in lam[order]],
-        "n_cloud_modes": int(U_cloud.shape[1]),
-    }
-
-
-def channel_operator(A: chunkop.RowOperator, P: los.Problem, U: Any, squared: bool = False):
-    """``Bu``: ``zeta (n_pix, C) -> A (mu * (zeta U^T))`` as a RowOperator on ``A``'s rows.
-
-    Its row function is the LOS weights times the prior mean, projected on the radial profiles
-    (``b_l = (w_l * mu) @ U``: ``n_bins -> C`` numbers per line, recomputed chunk by chunk),
-    dotted with the ``C`` values of the line's pixel (``squared``: ``b_l**2`` instead, for
-    ``diag(Bu Bu^T)``). Rows sharded over a mesh stay sharded; ``A x`` comes back replicated
-    (the solvers take dot products of data-space vectors).
-    """
-    edges = np.asarray(P.edges, np.float64)
-    muU = P.prior_mean[:, None] * jnp.asarray(U, jnp.float32)  # (n_bins, C)
-
-    def row_fn(row, zeta):
-        b = jnp.dot(los.los_weights(row["d"], row["s"], edges), muU)
-        return jnp.dot(b * b if squared else b, zeta[row["pix"]])
-
-    return chunkop.RowOperator(
-        row_fn,
-        A.rows,
-        jax.ShapeDtypeStruct((P.n_pix, muU.shape[1]), jnp.float32),
-        chunk_size=P.chunk,
-        out_sharding="replicated",
-    )
-
-
-def data_residual_at_prior_mean(A: chunkop.RowOperator, P: los.Problem) -> jax.Array:
-    """``y - A mu`` without a sky: ``A mu`` is the channel operator of the one profile ``mu``."""
-    A_mu = channel_operator(A, P, np.ones((P.n_bins, 1)))
-    return jax.jit(lambda op, y: y - op.mv(jnp.ones(op.in_structure().shape, jnp.float32)))(A_mu, P.y)
-
-
-def apply_power(zeta: jax.Array, power: jax.Array, nx: int, ny: int) -> jax.Array:
-    """Each channel of ``zeta`` (``(n_pix, C)``) filtered by its own spectrum ``power``
-    (``(nx, ny // 2 + 1, C)``) on the periodic ``nx x ny`` grid (one rfft2 / irfft2 pair)."""
-    f = jnp.fft.rfft2(zeta.reshape(nx, ny, -1), axes=(0, 1)) * power
-    return jnp.fft.irfft2(f, s=(nx, ny), axes=(0, 1)).reshape(zeta.shape).astype(zeta.dtype)
-
-
-def apply_blocks(xi: jax.Array, blocks: jax.Array, nx: int, ny: int) -> jax.Array:
-    """``F^-1 blocks(k) F xi``: a ``C x C`` matrix per plane-of-sky frequency ``k``."""
-    f = jnp.fft.rfft2(xi.reshape(nx, ny, -1), axes=(0, 1))
-    f = jnp.einsum("xyij,xyj->xyi", blocks.astype(f.dtype), f)
-    return jnp.fft.irfft2(f, s=(nx, ny), axes=(0, 1)).reshape(xi.shape).astype(xi.dtype)
-
-
-def channel_gram(P: los.Problem, U: Any) -> np.ndarray:
-    """``G = sum_l b_l b_l^T / (sigma^2 n_pix)`` with ``b_l = (w_l * mu) @ U``: the data's precision
-    on one pixel's channels, averaged over the pixels (``(C, C)``, float64; chunk by chunk, the
-    ``n_los x n_bins`` weights are never stored)."""
-    muU = P.prior_mean[:, None] * jnp.asarray(U, jnp.float32)
-    b_fn = jax.jit(lambda d, s: los.los_weights(d, s, P.edges) @ muU)
-    d, s = np.asarray(P.d), np.asarray(P.s)
-    G = np.zeros((muU.shape[1],) * 2)
-    for i in range(0, d.size, P.chunk):
-        b = np.asarray(b_fn(d[i : i + P.chunk], s[i : i + P.chunk]), np.float64)
-        G += b.T @ b
-    return G / (P.sigma**2 * P.n_pix)
-
-
-def fourier_preconditioner(prior: dict, G: np.ndarray) -> jax.Array:
-    """``(I + P(k)^1/2 G P(k)^1/2)^-1`` for every plane-of-sky frequency ``k`` (``(nx, ny // 2 + 1,
-    C, C)`` float32).
-
-    ``Bu^T Bu / sigma^2`` is block-diagonal over pixels (a line sees one pixel): one ``C x C``
-    block per pixel. With every block replaced by their mean ``G`` (the data spread evenly over
-    the sky), ``I + C^1/2 Bu^T Bu C^1/2 / sigma^2`` becomes diagonal in Fourier space, with these
-    ``C x C`` blocks: its exact inverse is the preconditioner. The smooth modes the data
-    constrain average the line density over many pixels, which is where this holds best.
-    """
-    sq = np.sqrt(np.asarray(prior["power"], np.float64))  # (nx, nyh, C)
-    Hk = np.eye(G.shape[0]) + sq[..., :, None] * G * sq[..., None, :]
-    return jnp.asarray(np.linalg.inv(Hk), jnp.float32)
-
-
-def _pcg(H: Callable, M: Callable, b: jax.Array, iters: int, rtol: float, record: Callable | None):
-    """Preconditioned CG for ``H x = b`` from ``x = 0`` (a ``lax.while_loop``).
-
-    Stops when ``sqrt(r^T M r)`` falls below ``rtol`` times its initial value, or after ``iters``
-    steps; returns ``(x, steps, sqrt(r^T M r / r0^T M r0))``. ``record(|r_k|)`` is called from
-    inside the loop for ``r_0`` and once per step. A plain loop rather than ``lineax.CG``, whose
-    breakdown test ``<p, H p> <= 100 n eps <r, M r>`` is calibrated for other scalings (README).
-    """
-
-    def report(r):
-        if record is not None:
-            jax.debug.callback(record, jnp.sqrt(jnp.sum(r * r)))
-
-    z = M(b)
-    rz0 = jnp.vdot(b, z)
-    report(b)
-
-    def cond(state):
-        return (state[0] < iters) & (state[4] > rtol**2 * rz0)
-
-    def body(state):
-        k, x, r, p, rz = state
-        Hp = H(p)
-        alpha = rz / jnp.vdot(p, Hp)
-        x, r = x + alpha * p, r - alpha * Hp
-        z = M(r)
-        rz_new = jnp.vdot(r, z)
-        report(r)
-        return k + 1, x, r, z + (rz_new / rz) * p, rz_new
-
-    k, x, _, _, rz = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.zeros_like(b), b, z, rz0))
-    return x, k, jnp.sqrt(rz / rz0)
-
-
-def channel_space_solve(
-    Bu: chunkop.RowOperator,
-    resid0: jax.Array,
-    P: los.Problem,
-    prior: dict,
-    precond: jax.Array,
-    iters: int,
-    rtol: float,
-    record: Callable | None,
-):
-    """The posterior mean's channels ``zeta`` by CG on the whitened channels (the default solver).
-
-    ``zeta = C^1/2 xi`` with ``xi ~ N(0, I)`` of shape ``(n_pix, C)``; solves
-    ``(I + C^1/2 Bu^T Bu C^1/2 / sigma^2) xi = C^1/2 Bu^T (y - A mu) / sigma^2`` (``resid0`` is
-    ``y - A mu``), preconditioned by :func:`fourier_preconditioner`. The nontrivial eigenvalues
-    are those of the data-space system; a step is one ``Bu.T.mv``, one ``Bu.mv`` and three
-    rfft2 / irfft2 pairs on ``(n_pix, C)``. Returns ``(zeta, steps, relative residual)``.
-    """
-    nx, ny, sig = P.nx, P.ny, P.sigma
-    sqp = jnp.sqrt(prior["power"])
-    Cs = lambda v: apply_power(v, sqp, nx, ny)  # C^1/2
-    b = Cs(Bu.T.mv(resid0 / sig**2))
-    b_norm = jnp.sqrt(jnp.sum(b * b))
-    H = lambda xi: xi + Cs(Bu.T.mv(Bu.mv(Cs(xi)))) / sig**2
-    M = lambda r: apply_blocks(r, precond, nx, ny)
-    xi, k, rel = _pcg(H, M, b / b_norm, iters, rtol, record)  # unit-norm b: float32-safe scalars
-    return Cs(xi) * b_norm, k, rel
-
-
-def data_space_solve(
-    Bu: chunkop.RowOperator,
-    B2: chunkop.RowOperator,
-    resid0: jax.Array,
-    P: los.Problem,
-    prior: dict,
-    iters: int,
-    rtol: float,
-    record: Callable | None,
-):
-    """The posterior mean's channels by CG in data space (``--solver data``): ``n_los`` unknowns.
-
-    Solves ``(B S B^T / sigma^2 + I) u = (y - A mu) / sigma`` (noise-whitened: every eigenvalue is
-    >= 1), Jacobi-preconditioned by ``diag(B S B^T) / sigma^2 + 1`` (``B2``: ``Bu`` with squared
-    weights, on ones; the lines' sensitivities differ ~1000-fold, as ``1/s^2``), then
-    ``zeta = C Bu^T u / sigma``. Returns ``(zeta, steps, relative residual)``.
-    """
-    nx, ny, sig = P.nx, P.ny, P.sigma
-    power = prior["power"]
-    minv = 1.0 / (B2.mv(jnp.ones(B2.in_structure().shape, jnp.float32)) / sig**2 + 1.0)
-    b = resid0 / sig
-    b_norm = jnp.sqrt(jnp.sum(b * b))
-    K = lambda u: Bu.mv(apply_power(Bu.T.mv(u), power, nx, ny)) / sig**2 + u
-    u, k, rel = _pcg(K, lambda r: minv * r, b / b_norm, iters, rtol, record)
-    return apply_power(Bu.T.mv(u), power, nx, ny) * (b_norm / sig), k, rel
-
-
-@jax.jit
-def sky_from_channels(mu: jax.Array, zeta: jax.Array, U: jax.Array) -> jax.Array:
-    """``mu * (1 + zeta U^T)``: the one sky-sized array of the channel-space and data-space solves."""
-    return mu * (1.0 + zeta @ U.T)
 
 
 # -- the global s-scale fit ---------------------------------------------------------------------
@@ -698,7 +297,205 @@ def describe_sharding(A: chunkop.RowOperator, mesh: jax.sharding.Mesh | None) ->
     }
 
 
-SOLVERS = ("channels", "data", "primal")
+# -- the reconstruction from a catalog -----------------------------------------------------------
+
+
+def reconstruct_catalog(
+    cat: Catalog,
+    out: str | None = None,
+    *,
+    samples: int = 32,
+    rtol: float = 1e-5,
+    iters: int = 200,
+    chunk: int = 8192,
+    figures: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict:
+    """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given).
+
+    Learns the prior's hyperparameters (``learn.learn_hyperparameters``: evidence, type-II MAP, Laplace),
+    solves for the posterior at full resolution, draws ``samples`` posterior samples (the posterior
+    std, hyperparameter uncertainty included; 0: no std), checks the fit with the full chunked
+    operator and returns ``{"summary": dict, "mean": (n_pix, n_bins) float32, "std": ... or None,
+    "column"/"wcolumn" (+ "_std"): (n_pix,)}``. With ``out``, writes ``posterior_mean.npy``,
+    ``posterior_std.npy`` (when ``samples > 0``), ``summary.json`` and the figures there.
+    """
+    t0 = time.perf_counter()
+    summ: dict = {"catalog": {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}}
+    summ["catalog"]["edges_pc"] = [float(cat.edges[0]), float(cat.edges[-1])]
+    log(
+        f"catalog {cat.name!r}: {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, {cat.n_bins} radial bins "
+        f"{cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc ({cat.n_los / cat.n_pix:.2f} lines per pixel)"
+    )
+    V, sv = learn.radial_basis(cat)
+    G, trunc = learn.compress_lines(cat, V, chunk)
+    summ["radial_basis"] = {"singular_values_rel": [float(v) for v in sv[:5]], "max_truncation_error": trunc}
+    log(
+        f"the lines' weight vectors: singular values {', '.join(f'{v:.1e}' for v in sv[:4])} (relative): "
+        f"each line measures ~one radial combination; kept {V.shape[1]} (largest truncation error {trunc:.1e})"
+    )
+    hyper = learn.learn_hyperparameters(cat, G, V, log=log)
+    summ["hyperparameters"] = {k: v for k, v in hyper.items() if k != "theta_cov"}
+    post = learn.posterior(cat, G, V, hyper, n_samples=samples, iters=iters, rtol=rtol)
+    log(
+        f"posterior: CG {post['cg_iterations']} steps to relative residual {post['cg_relative_residual']:.1e}"
+        + (f"; {samples} samples (CG <= {post['sample_cg_iterations_max']} steps each)" if samples else "")
+    )
+    summ["posterior"] = {k: post[k] for k in ("cg_iterations", "cg_relative_residual") if k in post}
+    summ["posterior"]["samples"] = samples
+    sm = learn.sky_summaries(cat, post)
+    # the fit, with the full chunked operator (checks the compression too)
+    A = los.make_los_operator(cat.pix, cat.d, cat.s, n_pix=cat.n_pix, edges=cat.edges, chunk_size=min(chunk, cat.n_los))
+    if mesh is not None:
+        A = sharded_los_operator(cat, mesh, chunk)
+    resid = np.asarray(jax.jit(lambda A, s_, y: y - A.mv(s_))(A, jnp.asarray(sm["mean"]), jnp.asarray(cat.y)))
+    resid = resid / cat.sigma
+    chi2 = float(np.mean(resid**2))
+    summ["chi2_per_line"] = chi2
+    summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
+    rel_std = (sm["column_std"] / np.abs(sm["column"])) if "column_std" in sm else None
+    rel_wstd = (sm["wcolumn_std"] / np.abs(sm["wcolumn"])) if "wcolumn_std" in sm else None
+    summ["column_rel_std_median"] = float(np.median(rel_std)) if rel_std is not None else None
+    summ["wcolumn_rel_std_median"] = float(np.median(rel_wstd)) if rel_wstd is not None else None
+    log(f"fit: chi2 per line {chi2:.3f} (noise = 1), {100 * summ['residual_fraction_beyond_3']:.2f}% beyond 3 sigma")
+    summ["warnings"] = warnings_for(summ, hyper, cat)
+    for w in summ["warnings"]:
+        log(f"WARNING: {w}")
+    summ["seconds"] = time.perf_counter() - t0
+    rec = {"summary": summ, "mean": sm["mean"], "std": sm.get("std"), "resid": resid, "post": post, "hyper": hyper}
+    rec.update({k: sm[k] for k in ("column", "wcolumn", "column_std", "wcolumn_std") if k in sm})
+    if out:
+        write_outputs(out, cat, rec, figures=figures)
+    return rec
+
+
+def warnings_for(summ: dict, hyper: dict, cat: Catalog) -> list:
+    """What the user must be told even when the data are fitted: from the catalog's run alone."""
+    w = []
+    ratio = hyper["profile_shape_sd_over_prior_sd"]
+    if max(ratio) > 0.5:
+        col = summ.get("column_rel_std_median")
+        w.append(
+            "the radial profile is set mostly by its hyperprior, not by the data (posterior/prior sd of its "
+            f"shape b, c: {ratio[0]:.2f}, {ratio[1]:.2f}): the lines measure one 1/r^2-weighted column per pixel"
+            + (f" (+-{100 * summ['wcolumn_rel_std_median']:.1f}%)" if summ.get("wcolumn_rel_std_median") else "")
+            + "; the distance-integrated column and every distance bin depend on the assumed profile"
+            + (f" (+-{100 * col:.0f}% per pixel, 1 sd, median)" if col is not None else "")
+        )
+    for name in hyper["at_bound"]:
+        w.append(f"hyperparameter {name} = {hyper['theta'][hyper['names'].index(name)]:.3g} sits at its bound")
+    chi2 = summ["chi2_per_line"]
+    if chi2 > 1 + max(0.1, 5 * np.sqrt(2 / cat.n_los)):
+        w.append(
+            f"chi2 per line {chi2:.2f}: the data are not fitted to their noise (structure the prior cannot "
+            "represent, e.g. compact clouds below the learned correlation length, or misstated sigma)"
+        )
+    if summ["posterior"]["cg_relative_residual"] > 1e-3:
+        w.append(f"CG did not converge (relative residual {summ['posterior']['cg_relative_residual']:.1e})")
+    return w
+
+
+def write_outputs(out: str, cat: Catalog, rec: dict, truth: dict | None = None, figures: bool = True) -> None:
+    os.makedirs(out, exist_ok=True)
+    np.save(os.path.join(out, "posterior_mean.npy"), rec["mean"])
+    if rec.get("std") is not None:
+        np.save(os.path.join(out, "posterior_std.npy"), rec["std"])
+    summ = rec["summary"]
+    if figures:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            summ["figures"] = make_figures(out, cat, rec, truth)
+        except ImportError:
+            log("matplotlib not installed: no figures (pip install -e '.[examples]')")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summ, f, indent=1, default=float)
+    log(
+        f"wrote {os.path.abspath(out)}/: posterior_mean.npy, "
+        + ("posterior_std.npy, " if rec.get("std") is not None else "")
+        + "summary.json"
+    )
+
+
+def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
+    """Figures against a known truth (``(n_pix, n_bins)``): relative errors of the sky, the
+    distance-integrated column and the ``1/r^2``-weighted column, those of the oracle radial-profile
+    baseline (the truth's mean over pixels per bin, the same at every pixel), and the fraction of
+    columns within 2 posterior sd. Never used by the reconstruction."""
+    x = np.asarray(truth_sky, np.float32)
+    db = np.diff(cat.edges)
+    dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
+    oracle = x.mean(axis=0)
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    col_t, wcol_t = x @ db, x @ dib
+    m = {
+        "rel_err_sky": rel(rec["mean"], x),
+        "rel_err_sky_oracle": float(np.linalg.norm(oracle[None, :] - x) / np.linalg.norm(x)),
+        "rel_err_column": rel(rec["column"], col_t),
+        "rel_err_column_oracle": rel(np.full_like(col_t, oracle @ db), col_t),
+        "rel_err_wcolumn": rel(rec["wcolumn"], wcol_t),
+        "rel_err_wcolumn_oracle": rel(np.full_like(wcol_t, oracle @ dib), wcol_t),
+        "chi2_per_line": rec["summary"]["chi2_per_line"],
+    }
+    if "column_std" in rec:
+        z = (rec["column"] - col_t) / rec["column_std"]
+        zw = (rec["wcolumn"] - wcol_t) / rec["wcolumn_std"]
+        m.update(
+            {
+                "column_within_2sd": float(np.mean(np.abs(z) < 2)),
+                "column_z_mean": float(np.mean(z)),
+                "wcolumn_within_2sd": float(np.mean(np.abs(zw) < 2)),
+                "wcolumn_z_mean": float(np.mean(zw)),
+            }
+        )
+    log(
+        f"vs truth: sky {m['rel_err_sky']:.4f} (oracle profile {m['rel_err_sky_oracle']:.4f}); column "
+        f"{m['rel_err_column']:.4f} ({m['rel_err_column_oracle']:.4f}); 1/r^2-weighted column "
+        f"{m['rel_err_wcolumn']:.4f} ({m['rel_err_wcolumn_oracle']:.4f})"
+        + (
+            f"; within 2 sd: column {100 * m['column_within_2sd']:.1f}%, weighted {100 * m['wcolumn_within_2sd']:.1f}%"
+            if "column_within_2sd" in m
+            else ""
+        )
+    )
+    return {"metrics": m, "truth_column": col_t, "truth_wcolumn": wcol_t, "oracle_profile": oracle}
+
+
+def sharded_los_operator(cat: Catalog, mesh: jax.sharding.Mesh, chunk: int) -> chunkop.RowOperator:
+    """The catalog's LOS operator with rows (``pix``, ``d``, ``s``) sharded over the mesh axis ``"rows"``."""
+    n = int(mesh.shape["rows"])
+    if cat.n_los % n:
+        raise ValueError(f"--devices {n}: the {cat.n_los} lines cannot be split evenly over {n} devices")
+    rows = jax.device_put(
+        {"pix": jnp.asarray(cat.pix), "d": jnp.asarray(cat.d), "s": jnp.asarray(cat.s)},
+        NamedSharding(mesh, PSpec("rows")),
+    )
+    return los.make_los_operator(
+        rows["pix"], rows["d"], rows["s"], n_pix=cat.n_pix, edges=cat.edges, chunk_size=min(chunk, cat.n_los)
+    )
+
+
+def load_truth(path: str) -> np.ndarray:
+    with np.load(path) as f:
+        return f["sky"]
+
+
+def write_synthetic_catalog(size: str, path: str, progress: bool = False) -> tuple[los.Problem, Catalog]:
+    """The built-in synthetic data of ``size`` (``los.make_problem``) as a catalog file; its true sky
+    beside it (``PATH`` with ``.truth.npz``) when smaller than 64 MiB."""
+    P = los.make_problem(size, progress=progress or None)
+    cat = write_catalog(
+        path, pix=P.pix, d=P.d, s=P.s, y=P.y, sigma=P.sigma, nx=P.nx, ny=P.ny, edges=P.edges, name=f"synthetic-{size}"
+    )
+    if P.n_pix * P.n_bins * 4 <= 64 * MiB:
+        np.savez(truth_path(path), sky=np.asarray(P.truth()))
+    return P, cat
+
+
+def truth_path(catalog_path: str) -> str:
+    return re.sub(r"\.npz$", "", catalog_path) + ".truth.npz"
+
 
 # -- the main job -------------------------------------------------------------------------------
 
@@ -707,38 +504,26 @@ def run(
     size: str = "default",
     out: str | None = "outputs/astro_los",
     chunk: int | None = None,
-    iters: int | None = None,
     fit_s: bool = True,
     figures: bool = True,
     rtol: float = 1e-5,
     progress: bool = False,
     devices: int | None = None,
-    solver: str = "channels",
+    samples: int | None = None,
 ) -> dict:
-    """Run the example; returns the results dict (also written to ``out/results.json``).
+    """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
+    operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
+    compares it with the truth. Returns the results dict (also ``out/results.json``).
 
     ``devices``: shard the operator's rows over the first ``devices`` of ``jax.devices()`` (see
-    :func:`device_mesh`, :func:`sharded_operator`); the whole job then runs under
-    ``jax.set_mesh`` of that mesh. None: everything on the default device, no mesh.
+    :func:`device_mesh`); the job runs under ``jax.set_mesh`` of that mesh.
     """
     mesh = device_mesh(devices) if devices is not None else None
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        return _run(size, out, chunk, iters, fit_s, figures, rtol, progress, mesh, solver)
+        return _run(size, out, chunk, fit_s, figures, rtol, progress, mesh, samples)
 
 
-def _run(
-    size: str,
-    out: str | None,
-    chunk: int | None,
-    iters: int | None,
-    fit_s: bool,
-    figures: bool,
-    rtol: float,
-    progress: bool,
-    mesh: jax.sharding.Mesh | None,
-    solver: str = "channels",
-) -> dict:
-    """The body of :func:`run` (inside the mesh context when ``mesh`` is given)."""
+def _run(size, out, chunk, fit_s, figures, rtol, progress, mesh, samples) -> dict:
     devices = int(mesh.size) if mesh is not None else 1
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend(), "devices": devices}
     timings, memory = {}, {}
@@ -747,48 +532,35 @@ def _run(
         log(f"{devices} device(s), mesh {dict(mesh.shape)} over {[str(d) for d in mesh.devices.flat]}")
     else:
         log("1 device (no mesh; --devices N shards the operator's rows over N devices)")
+    tmp = None
+    if not out:
+        tmp = tempfile.TemporaryDirectory()
+    cat_path = os.path.join(out or tmp.name, "catalog.npz")
     t = time.perf_counter()
-    P = los.make_problem(size, chunk=chunk, progress=progress or None)
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    if iters is None:
-        iters = {"primal": P.iters, "channels": 100, "data": 3000}[solver]
+    P, _ = write_synthetic_catalog(size, cat_path, progress)
+    chunk = chunk or P.chunk
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
     log(
-        f"problem: sky {P.n_pix} pixels ({P.nx} x {P.ny}) x {P.n_bins} radial bins "
-        f"({fmt_bytes(sky_bytes)} per float32 copy), {P.n_los} lines of sight "
-        f"({P.n_los / P.n_pix:.1f} per pixel), chunk {P.chunk}, noise sigma {P.sigma:.3g}; "
-        f"made in {timings['make_problem_s']:.1f}s"
+        f"synthetic data ({size}): sky {P.n_pix} pixels ({P.nx} x {P.ny}) x {P.n_bins} radial bins "
+        f"({fmt_bytes(sky_bytes)} per float32 copy), {P.n_los} lines, written to {cat_path} in "
+        f"{timings['make_problem_s']:.1f}s"
     )
-    res["problem"] = {
-        "n_pix": P.n_pix,
-        "nx": P.nx,
-        "ny": P.ny,
-        "n_bins": P.n_bins,
-        "n_los": P.n_los,
-        "chunk": P.chunk,
-        "sigma": P.sigma,
-        "sky_bytes": sky_bytes,
-        "n_los_x_n_bins_bytes": P.n_los * P.n_bins * 4,
-    }
-    A = P.operator() if mesh is None else sharded_operator(P, mesh)
+    res["problem"] = {"n_pix": P.n_pix, "nx": P.nx, "ny": P.ny, "n_bins": P.n_bins, "n_los": P.n_los, "chunk": chunk}
+    res["problem"].update({"sigma": P.sigma, "sky_bytes": sky_bytes, "n_los_x_n_bins_bytes": P.n_los * P.n_bins * 4})
+    A = P.operator(chunk) if mesh is None else sharded_operator(P, mesh)
     res.update(describe_sharding(A, mesh))
     if mesh is not None:
         log(
             f"operator rows sharded over mesh axes {res['operator_mesh_axes']}: "
             + ", ".join(f"{k} {v['spec']} on {v['n_devices']} devices" for k, v in res["rows_sharding"].items())
-            + f" ({P.n_los // devices} lines per device)"
         )
-    sc = prior_scales(P)
-    res["prior"] = {k: float(v) for k, v in sc.items()}
     seed = size == "seed"
-
     if not seed:
         res["check_linear"] = chunkop.check_linear(A)
         log(f"chunkop.check_linear (relative errors): {res['check_linear']}")
 
-    # --- the operator's building blocks, each compiled separately to report its memory ---------
+    # --- the operator's building blocks (on the true sky as a test vector), each compiled alone ----
     x = P.truth()
     mv, memory["matvec"] = compiled_memory(lambda A, x: A.mv(x), A, x)
     y_model, timings["matvec_s"] = timed(mv, A, x, repeats=1 if seed else 3)
@@ -797,7 +569,7 @@ def _run(
     g, timings["transpose_s"] = timed(rmv, A, P.y, repeats=1 if seed else 3)
     del g
     log(f"transpose A^T y: {timings['transpose_s']:.3f}s, temp {fmt_bytes(memory['transpose']['temp_bytes'])}")
-    if mesh is not None:  # A x stays sharded by rows; A^T y ends in one all-reduce
+    if mesh is not None:
         res["matvec_out_spec"] = str(y_model.sharding.spec)
         res["collectives"] = {"matvec": collective_counts(mv), "transpose": collective_counts(rmv)}
         log(f"A x comes back sharded as {res['matvec_out_spec']}; compiled collectives: {res['collectives']}")
@@ -817,305 +589,202 @@ def _run(
     hv, timings["hvp_sky_s"] = timed(hvp, x, x, A, P.y, P.sigma)
     del hv
     log(f"hvp w.r.t. sky: {timings['hvp_sky_s']:.3f}s, temp {fmt_bytes(memory['hvp_sky']['temp_bytes'])}")
-
     ga, memory["grad_hvp_alpha"] = compiled_memory(grad_and_curv, jnp.float32(0.0), A, x, P.y, P.sigma)
     (c, _gval, _hval), timings["grad_hvp_alpha_s"] = timed(ga, jnp.float32(0.0), A, x, P.y, P.sigma)
     log(
         f"chi2, grad and 2nd derivative w.r.t. log(s-scale): {timings['grad_hvp_alpha_s']:.3f}s, "
-        f"temp {fmt_bytes(memory['grad_hvp_alpha']['temp_bytes'])}; chi2/n at truth = "
-        f"{2 * float(c) / P.n_los:.4f}"
+        f"temp {fmt_bytes(memory['grad_hvp_alpha']['temp_bytes'])}; chi2/n at truth = {2 * float(c) / P.n_los:.4f}"
     )
     res["chi2_per_line_truth"] = 2 * float(c) / P.n_los
-
     if fit_s and not seed:
-        log("fitting a global scale on s (true 1.0) with the sky fixed at the calibration (true) sky")
+        log("calibration demo (not part of the reconstruction): a global scale on s fitted against the known sky")
         t = time.perf_counter()
         res["s_fit"] = fit_s_scale(A, x, P, step=ga)
         timings["s_fit_s"] = time.perf_counter() - t
-    del x, y_model
+    del x, y_model, A
 
-    # --- the reconstruction ---------------------------------------------------------------------
-    rec = Recorder(every=1 if seed or solver == "channels" else max(1, iters // 10))
+    # --- the reconstruction: from the catalog file alone ---------------------------------------------
+    cat = load_catalog(cat_path)
+    if samples is None:
+        samples = 8 if seed else 32
     t = time.perf_counter()
-    if solver == "primal":
-        if seed:  # a fixed number of iterations, fewest live sky-sized arrays
-            rtol, stabilise = 0.0, None
-        else:
-            stabilise = 10
-        solve_fn = lambda A: solve(A, P, sc, iters, rtol, rec, stabilise)
-        solve_args: tuple = (A,)
-        what = "Jacobi-preconditioned lineax.CG on the normal equations (405M unknowns at seed size)"
-    else:
-        prior = covariance_prior(P)
-        Bu = channel_operator(A, P, prior["U"])
-        resid0 = data_residual_at_prior_mean(A, P)
-        res["covariance_prior"] = {
-            k: prior[k] for k in ("n_channels", "sd_g", "cloud_var", "cloud_eigenvalues", "n_cloud_modes")
-        }
-        if solver == "channels":
-            precond = fourier_preconditioner(prior, channel_gram(P, prior["U"]))
-            solve_fn = lambda Bu, r0, pc: channel_space_solve(Bu, r0, P, prior, pc, iters, rtol, rec)
-            solve_args = (Bu, resid0, precond)
-            what = (
-                f"CG on the whitened channels ({P.n_pix} x {prior['n_channels']} unknowns), "
-                "Fourier-block preconditioner"
-            )
-        else:
-            B2 = channel_operator(A, P, prior["U"], squared=True)
-            solve_fn = lambda Bu, B2, r0: data_space_solve(Bu, B2, r0, P, prior, iters, rtol, rec)
-            solve_args = (Bu, B2, resid0)
-            what = f"CG in data space ({P.n_los} unknowns), Jacobi preconditioner"
-        timings["prior_setup_s"] = time.perf_counter() - t
-        log(
-            f"covariance prior: {prior['n_channels']} channels (plane-of-sky field sd {prior['sd_g']:.3f}, "
-            f"{prior['n_channels'] - 1} radial cloud modes), set up in {timings['prior_setup_s']:.1f}s"
-        )
-    solve_c, memory["cg_solve"] = compiled_memory(solve_fn, *solve_args)
-    log(
-        f"solver {solver!r}: {what}; compiled in {memory['cg_solve']['compile_s']:.1f}s "
-        f"(temp {fmt_bytes(memory['cg_solve']['temp_bytes'])} = "
-        f"{memory['cg_solve']['temp_bytes'] / sky_bytes:.2f} sky copies); up to {iters} iterations, rtol {rtol:g}"
-    )
-    t = time.perf_counter()
-    sol, n_steps, rel_res = jax.block_until_ready(solve_c(*solve_args))
-    timings["cg_s"] = time.perf_counter() - t
-    n_steps = int(n_steps)
-    if solver == "primal":
-        result = result_name(rel_res)  # a lineax RESULTS
-        rel_res = rec.res[-1] / rec.b_norm if rec.res else float("nan")
-    else:
-        rel_res = float(rel_res)
-        result = "successful" if rel_res <= rtol else "max_steps_reached"
-    # the recorder's first call is CG's initial residual: before it, the set-up; between its first
-    # and last call, the iterations
-    timings["cg_setup_s"] = rec.times[0] - t if rec.times else float("nan")
-    timings["cg_per_iteration_s"] = (rec.times[-1] - rec.times[0]) / max(n_steps, 1) if rec.times else float("nan")
-    log(
-        f"CG: {n_steps} iterations in {timings['cg_s']:.1f}s (set-up {timings['cg_setup_s']:.1f}s, then "
-        f"{timings['cg_per_iteration_s']:.3f}s per iteration), {result} (relative residual {rel_res:.2e})"
-    )
-    res["cg"] = {
-        "solver": solver,
-        "iterations": n_steps,
-        "max_iterations": iters,
-        "rtol": rtol,
-        "result": result,
-        "relative_residual": rel_res,
-        "residual_norms": rec.res,
-        "b_norm": rec.b_norm,
-    }
-    if solver == "primal":
-        sky_hat = sky_from_z(P.prior_mean, sol)
-    else:
-        sky_hat = sky_from_channels(P.prior_mean, sol, prior["U"])
-    del sol
-
-    # --- evaluation -------------------------------------------------------------------------------
-    resid_fn = jax.jit(lambda A, s, y: y - A.mv(s))
-    resid_mu_fn = jax.jit(lambda A, mu, y: y - A.mv(jnp.broadcast_to(mu, A.in_structure().shape)))
-    resid = np.asarray(resid_fn(A, sky_hat, P.y)) / P.sigma
-    resid0 = np.asarray(resid_mu_fn(A, P.prior_mean, P.y)) / P.sigma
-    finite = bool(jax.jit(lambda s: jnp.all(jnp.isfinite(s)))(sky_hat))
-    x = P.truth()
-    err = float(rel_err(sky_hat, x))
-    err0 = float(rel_err_baseline(P.prior_mean, x))
-    # the distance-integrated column sum_k sky[p, k] (b_{k+1} - b_k) per pixel
-    dr = jnp.asarray(np.diff(P.edges), jnp.float32)
-    col = jax.jit(lambda s: s @ dr)
-    col_t, col_h = np.asarray(col(x)), np.asarray(col(sky_hat))
-    col_0 = np.full_like(col_t, float(P.prior_mean @ dr))
-    col_err = float(np.linalg.norm(col_h - col_t) / np.linalg.norm(col_t))
-    col_err0 = float(np.linalg.norm(col_0 - col_t) / np.linalg.norm(col_t))
-    # the same relative error split into the pixels some line looks through and the others
-    seen = jnp.asarray(np.bincount(np.asarray(P.pix), minlength=P.n_pix) > 0)
-    split = {
-        f"rel_err_{part}_{name}": float(masked_rel_err(s_, x, m_)) if bool(jnp.any(m_)) else None
-        for part, m_ in (("seen_pixels", seen), ("unseen_pixels", ~seen))
-        for name, s_ in (("reconstruction", sky_hat), ("baseline", jnp.broadcast_to(P.prior_mean, (1, P.n_bins))))
-    }
-    split["fraction_of_pixels_seen"] = float(jnp.mean(seen))
-    f4 = lambda v: "-" if v is None else f"{v:.4f}"
-    res["metrics"] = {
-        "rel_err_reconstruction": err,
-        "rel_err_baseline_prior_mean": err0,
-        "rel_err_column_reconstruction": col_err,
-        "rel_err_column_baseline": col_err0,
-        "chi2_per_line_reconstruction": float(np.mean(resid**2)),
-        "chi2_per_line_baseline": float(np.mean(resid0**2)),
-        "finite": finite,
-        **split,
-    }
-    log(
-        f"relative error vs truth: reconstruction {err:.4f}, baseline (prior mean) {err0:.4f}; "
-        f"distance-integrated column: {col_err:.4f} vs {col_err0:.4f}"
-    )
-    log(
-        f"  on the {100 * split['fraction_of_pixels_seen']:.1f}% of pixels some line looks through: "
-        f"{f4(split['rel_err_seen_pixels_reconstruction'])} vs {f4(split['rel_err_seen_pixels_baseline'])}; "
-        f"on the others: {f4(split['rel_err_unseen_pixels_reconstruction'])} vs "
-        f"{f4(split['rel_err_unseen_pixels_baseline'])}"
-    )
-    log(
-        f"data residual chi2 per line: reconstruction {res['metrics']['chi2_per_line_reconstruction']:.3f}, "
-        f"baseline {res['metrics']['chi2_per_line_baseline']:.3f} (noise level = 1)"
-    )
-
-    res["timings"] = timings
-    res["memory"] = memory
+    rec = reconstruct_catalog(cat, None, samples=samples, rtol=rtol, chunk=chunk, mesh=mesh)
+    timings["reconstruction_s"] = time.perf_counter() - t
+    ev = evaluate(cat, rec, P.truth())
+    rec["summary"]["evaluation"] = ev["metrics"]
+    res["summary"] = rec["summary"]
+    res["metrics"] = ev["metrics"]
+    res["timings"], res["memory"] = timings, memory
     res["peak_rss_bytes"] = peak_rss_bytes()
-    res["wall_s"] = time.perf_counter() - T0
-    log("compiled temp memory of the main jitted functions (beyond their arguments and outputs):")
+    log("compiled temp memory of the operator's jitted functions (beyond their arguments and outputs):")
     for k, m in memory.items():
-        log(
-            f"  {k:16s} temp {fmt_bytes(m['temp_bytes']):>10s}  args {fmt_bytes(m['argument_bytes']):>10s}  "
-            f"out {fmt_bytes(m['output_bytes']):>10s}  compile {m['compile_s']:.1f}s"
-        )
+        log(f"  {k:16s} temp {fmt_bytes(m['temp_bytes']):>10s}  args {fmt_bytes(m['argument_bytes']):>10s}")
     log(f"peak RSS of the process: {fmt_bytes(res['peak_rss_bytes'])}")
-
     if out:
-        os.makedirs(out, exist_ok=True)
-        if figures:
-            try:
-                import matplotlib
-
-                matplotlib.use("Agg")
-                paths = make_figures(out, P, x, sky_hat, resid, resid0, col_t, col_h, col_0, res)
-                res["figures"] = paths
-            except ImportError:
-                log("matplotlib not installed: no figures (pip install -e '.[examples]')")
+        write_outputs(out, cat, rec, truth=ev, figures=figures)
+        if figures and "s_fit" in res:
+            with contextlib.suppress(ImportError):
+                s_fit_figure(out, res, P.n_los)
         with open(os.path.join(out, "results.json"), "w") as f:
             json.dump(res, f, indent=1, default=float)
-        log(
-            f"outputs written to {os.path.abspath(out)}/ (results.json"
-            + (", " + ", ".join(os.path.basename(p) for p in res.get("figures", [])) if res.get("figures") else "")
-            + ")"
-        )
-    log(f"done in {time.perf_counter() - T0:.1f}s")
+    if tmp is not None:
+        tmp.cleanup()
+    res["wall_s"] = time.perf_counter() - T0
+    log(f"done in {res['wall_s']:.1f}s")
     return res
 
 
-def make_figures(out, P, x, sky_hat, resid, resid0, col_t, col_h, col_0, res) -> list:
+def _grid_ax(ax, fig, im, title, label):
+    a = ax.imshow(im.T, origin="lower", cmap="magma" if "error" not in title else "RdBu_r")
+    ax.set_title(title, fontsize=8)
+    ax.set_xlabel("x (pixel)")
+    ax.set_ylabel("y (pixel)")
+    fig.colorbar(a, ax=ax, shrink=0.8, label=label)
+    return a
+
+
+def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
+    """``sky_maps.png``, ``profile.png``, ``residuals.png``; every number shown is taken from the
+    run's ``summary`` / evaluation metrics."""
     import matplotlib.pyplot as plt
 
     paths = []
-    nx, ny = P.nx, P.ny
-    r = P.centres
-    k1, k2 = int(np.searchsorted(r, 100.0)), int(np.searchsorted(r, 400.0))
-    x_np = {  # only small slices leave the device
-        "truth": (col_t, np.asarray(x[:, k1]), np.asarray(x[:, k2])),
-        "reconstruction": (col_h, np.asarray(sky_hat[:, k1]), np.asarray(sky_hat[:, k2])),
-    }
-    titles = ["distance-integrated column", f"bin at r = {r[k1]:.0f}", f"bin at r = {r[k2]:.0f}"]
-
-    # 1. maps: truth vs reconstruction, and the relative error
-    fig, axes = plt.subplots(3, 3, figsize=(13, 10), constrained_layout=True)
-    for j in range(3):
-        t, h = x_np["truth"][j].reshape(nx, ny), x_np["reconstruction"][j].reshape(nx, ny)
-        vmin, vmax = np.percentile(t, [1, 99])
-        for i, (name, im) in enumerate((("truth", t), ("reconstruction", h))):
-            a = axes[i, j].imshow(im.T, origin="lower", vmin=vmin, vmax=vmax, cmap="magma")
-            axes[i, j].set_title(f"{name}: {titles[j]}", fontsize=9)
-            fig.colorbar(a, ax=axes[i, j], shrink=0.8)
-        rel = (h - t) / t
-        a = axes[2, j].imshow(rel.T, origin="lower", vmin=-0.5, vmax=0.5, cmap="RdBu_r")
-        axes[2, j].set_title(f"(reconstruction - truth) / truth, rms {np.sqrt(np.mean(rel**2)):.3f}", fontsize=9)
-        fig.colorbar(a, ax=axes[2, j], shrink=0.8)
+    nx, ny, r = cat.nx, cat.ny, cat.centres
+    k1 = int(np.clip(np.searchsorted(r, 100.0), 0, r.size - 1))
+    db_label = "sum_k sky_k (b_k+1 - b_k)  [density x pc]"
+    wb_label = "sum_k sky_k (1/b_k - 1/b_k+1)  [density / pc]"
+    maps = [
+        ("1/r^2-weighted column (what the lines measure)", rec["wcolumn"], wb_label),
+        ("distance-integrated column", rec["column"], db_label),
+        (f"density in the bin at r = {r[k1]:.0f} pc", rec["mean"][:, k1], "density"),
+    ]
+    rows = 3 if truth is not None else 2
+    fig, axes = plt.subplots(rows, 3, figsize=(14, 3.6 * rows), constrained_layout=True)
+    for j, (name, im, lab) in enumerate(maps):
+        _grid_ax(axes[0, j], fig, im.reshape(nx, ny), f"reconstruction: {name}", lab)
+    if truth is None:
+        std = [rec.get("wcolumn_std"), rec.get("column_std"), None if rec.get("std") is None else rec["std"][:, k1]]
+        for j, s_ in enumerate(std):
+            if s_ is None:
+                axes[1, j].axis("off")
+                continue
+            _grid_ax(axes[1, j], fig, (s_ / np.abs(maps[j][1])).reshape(nx, ny), "posterior sd / mean", "relative sd")
+    else:
+        m = truth["metrics"]
+        tmaps = [truth["truth_wcolumn"], truth["truth_column"], None]
+        errs = [
+            f"error |rec - truth| / |truth| = {m['rel_err_wcolumn']:.4f} "
+            f"(oracle profile {m['rel_err_wcolumn_oracle']:.4f})",
+            f"error |rec - truth| / |truth| = {m['rel_err_column']:.4f} "
+            f"(oracle profile {m['rel_err_column_oracle']:.4f})",
+            None,
+        ]
+        for j in range(2):
+            _grid_ax(axes[1, j], fig, tmaps[j].reshape(nx, ny), f"truth: {maps[j][0]}", maps[j][2])
+            a = axes[2, j].imshow(
+                ((maps[j][1] - tmaps[j]) / tmaps[j]).reshape(nx, ny).T,
+                origin="lower",
+                cmap="RdBu_r",
+                vmin=-0.5,
+                vmax=0.5,
+            )
+            axes[2, j].set_title(errs[j], fontsize=8)
+            axes[2, j].set_xlabel("x (pixel)")
+            axes[2, j].set_ylabel("y (pixel)")
+            fig.colorbar(a, ax=axes[2, j], shrink=0.8, label="(reconstruction - truth) / truth")
+        axes[1, 2].axis("off")
+        axes[2, 2].axis("off")
+        axes[1, 2].text(
+            0.0,
+            0.5,
+            f"sky (all bins): error {m['rel_err_sky']:.4f}\noracle radial profile: {m['rel_err_sky_oracle']:.4f}\n"
+            f"chi2 per line {m['chi2_per_line']:.3f}"
+            + (
+                f"\ncolumns within 2 sd: {100 * m['column_within_2sd']:.1f}%\n"
+                f"weighted columns within 2 sd: {100 * m['wcolumn_within_2sd']:.1f}%"
+                if "column_within_2sd" in m
+                else ""
+            ),
+            fontsize=10,
+        )
     fig.suptitle(
-        f"LOS sky reconstruction ({P.size}: {P.n_pix} px x {P.n_bins} bins, {P.n_los} lines); "
-        f"rel. error {res['metrics']['rel_err_reconstruction']:.3f} vs prior mean "
-        f"{res['metrics']['rel_err_baseline_prior_mean']:.3f}"
+        f"{cat.name or 'catalog'}: {cat.n_los} lines, {nx} x {ny} pixels x {cat.n_bins} bins "
+        f"({cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc)"
     )
     paths.append(os.path.join(out, "sky_maps.png"))
+    fig.savefig(paths[-1], dpi=80)
+    plt.close(fig)
+
+    # the radial profile: learned (+- 2 sd over the Laplace samples), and the truth's mean if known
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), constrained_layout=True)
+    post = rec["post"]
+    ax.loglog(r, post["mu"], "C0-", label="learned mean profile mu(r)")
+    if "mu_samples" in post:
+        lo, hi = np.percentile(post["mu_samples"], [2.5, 97.5], axis=0)
+        ax.fill_between(r, lo, hi, color="C0", alpha=0.25, label="95% (hyperparameter posterior)")
+    if truth is not None:
+        ax.loglog(r, truth["oracle_profile"], "k--", label="truth: mean over pixels (the oracle)")
+    ax.set_xlabel("distance r (pc)")
+    ax.set_ylabel("density (sky units)")
+    h = rec["hyper"]
+    ax.set_title(
+        f"learned: field sd {h['amp']:.3f}, correlation length {h['ell_pixels']:.1f} px, slope {h['slope']:.2f}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    paths.append(os.path.join(out, "profile.png"))
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
 
-    # 2. residuals: normalised data residuals, and radial profiles of a few pixels
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), constrained_layout=True)
-    bins = np.linspace(-6, 6, 121)
-    axes[0].hist(
-        np.clip(resid, -6, 6),
-        bins=bins,
-        density=True,
-        alpha=0.7,
-        label=f"reconstruction (rms {np.sqrt(np.mean(resid**2)):.2f})",
-    )
-    axes[0].plot([], [], " ", label=f"prior mean: rms {np.sqrt(np.mean(resid0**2)):.1f} (off scale)")
+    fig, ax = plt.subplots(figsize=(6.5, 4.5), constrained_layout=True)
+    resid = rec["resid"]
+    ax.hist(np.clip(resid, -6, 6), bins=np.linspace(-6, 6, 121), density=True, alpha=0.7, label="lines")
     g = np.linspace(-6, 6, 200)
-    axes[0].plot(g, np.exp(-0.5 * g**2) / np.sqrt(2 * np.pi), "k--", label="N(0, 1)")
-    axes[0].set_xlabel("(y - A sky) / sigma")
-    axes[0].set_title("data residuals")
-    axes[0].legend(fontsize=8)
-    a = axes[1].imshow(((col_h - col_t) / col_t).reshape(nx, ny).T, origin="lower", vmin=-0.2, vmax=0.2, cmap="RdBu_r")
-    axes[1].set_title("column: (reconstruction - truth) / truth")
-    fig.colorbar(a, ax=axes[1], shrink=0.8)
-    rng = np.random.default_rng(1)
-    seen = np.flatnonzero(np.bincount(np.asarray(P.pix), minlength=P.n_pix) > 0)  # pixels with data
-    for p, c in zip(rng.choice(seen, 3, replace=False), ("C0", "C1", "C2")):
-        axes[2].loglog(r, np.asarray(x[p]), c + "-", label=f"truth, pixel {p}")
-        axes[2].loglog(r, np.asarray(sky_hat[p]), c + "--", label="reconstruction")
-    axes[2].loglog(r, np.asarray(P.prior_mean), "k:", label="prior mean")
-    axes[2].set_xlabel("distance r")
-    axes[2].set_title("radial profiles")
-    axes[2].legend(fontsize=7)
+    ax.plot(g, np.exp(-0.5 * g**2) / np.sqrt(2 * np.pi), "k--", label="N(0, 1)")
+    ax.set_xlabel("normalised residual (y - A sky) / sigma")
+    ax.set_ylabel("density of lines")
+    ax.set_title(f"chi2 per line = {rec['summary']['chi2_per_line']:.3f}")
+    ax.legend(fontsize=8)
     paths.append(os.path.join(out, "residuals.png"))
     fig.savefig(paths[-1], dpi=90)
     plt.close(fig)
-
-    # 3. convergence of CG
-    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-    rn = np.asarray(res["cg"]["residual_norms"]) / res["cg"]["b_norm"]
-    ax.semilogy(np.arange(rn.size), rn, "o-" if rn.size < 30 else "-")
-    ax.set_xlabel("CG iteration")
-    ax.set_ylabel("|r_k| / |r_0|")
-    name = {
-        "primal": "Jacobi-preconditioned lineax.CG (normal equations)",
-        "channels": "CG on the whitened channels (Fourier-block preconditioner)",
-        "data": "CG in data space (Jacobi)",
-    }[res["cg"]["solver"]]
-    ax.set_title(f"{name}, {res['cg']['iterations']} iterations", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    paths.append(os.path.join(out, "convergence.png"))
-    fig.savefig(paths[-1], dpi=90)
-    plt.close(fig)
-
-    # 4. the s-scale fit
-    if "s_fit" in res:
-        path = res["s_fit"]["path"]
-        fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
-        ax.semilogy([p["alpha"] for p in path], [2 * p["chi2"] / P.n_los for p in path], "o-")
-        for i, p in enumerate(path):
-            ax.annotate(str(i), (p["alpha"], 2 * p["chi2"] / P.n_los), fontsize=8)
-        ax.axvline(1.0, color="k", ls=":", label="true alpha")
-        ax.set_xlabel("alpha (s -> alpha * s)")
-        ax.set_ylabel("chi2 per line")
-        ax.set_title(
-            f"Newton fit of a global s-scale: alpha = {res['s_fit']['alpha']:.4f} +- {res['s_fit']['alpha_sd']:.4f}"
-        )
-        ax.legend()
-        paths.append(os.path.join(out, "s_fit.png"))
-        fig.savefig(paths[-1], dpi=90)
-        plt.close(fig)
     return paths
+
+
+def s_fit_figure(out: str, res: dict, n_los: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = res["s_fit"]["path"]
+    fig, ax = plt.subplots(figsize=(6, 4), constrained_layout=True)
+    ax.semilogy([p["alpha"] for p in path], [2 * p["chi2"] / n_los for p in path], "o-")
+    for i, p in enumerate(path):
+        ax.annotate(str(i), (p["alpha"], 2 * p["chi2"] / n_los), fontsize=8)
+    ax.axvline(1.0, color="k", ls=":", label="true alpha")
+    ax.set_xlabel("alpha (every line's s -> alpha s; s: the distance uncertainty of the weights)")
+    ax.set_ylabel("chi2 per line (sky fixed at the truth)")
+    ax.set_title(f"Newton steps on log alpha: alpha = {res['s_fit']['alpha']:.4f} +- {res['s_fit']['alpha_sd']:.4f}")
+    ax.legend()
+    fig.savefig(os.path.join(out, "s_fit.png"), dpi=90)
+    plt.close(fig)
+    res.setdefault("summary", {}).setdefault("figures", []).append(os.path.join(out, "s_fit.png"))
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="default", choices=sorted(los.SIZES), help="problem size (default: default)")
+    p.add_argument("--data", default=None, metavar="CATALOG.npz", help="reconstruct this catalog (catalog.py format)")
+    p.add_argument("--truth", default=None, metavar="TRUTH.npz", help="with --data: compare with this true sky ('sky')")
+    p.add_argument(
+        "--write-catalog", default=None, metavar="PATH", help="write --size's synthetic catalog (and truth) and exit"
+    )
+    p.add_argument("--size", default="default", choices=sorted(los.SIZES), help="synthetic size (default: default)")
     p.add_argument("--out", default="outputs/astro_los", help="output folder (default outputs/astro_los)")
-    p.add_argument("--chunk", type=int, default=None, help="lines per chunk (default: per size)")
-    p.add_argument(
-        "--solver",
-        default="channels",
-        choices=SOLVERS,
-        help="channels (default): covariance prior, CG on the whitened plane-of-sky channels with a "
-        "Fourier-block preconditioner; data: the same prior, CG in data space (n_los unknowns), Jacobi; "
-        "primal: first-difference precision prior, lineax.CG on the normal equations (sky-sized unknowns)",
-    )
-    p.add_argument(
-        "--iters", type=int, default=None, help="max CG iterations (default: channels 100, data 3000, primal per size)"
-    )
+    p.add_argument("--chunk", type=int, default=None, help="lines per chunk (default: per size, 8192 with --data)")
+    p.add_argument("--samples", type=int, default=None, help="posterior samples for the std (default 32; seed 8)")
     p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5)")
-    p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale fit")
+    p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale calibration demo")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument(
         "--devices",
@@ -1126,30 +795,45 @@ def main(argv=None) -> dict:
         f"on a CPU, N host devices are made ({HOST_DEVICE_FLAG}=N is appended to XLA_FLAGS before jax "
         "starts). The number of lines must be a multiple of N (default: one device, no mesh)",
     )
-    p.add_argument(
-        "--progress",
-        action="store_true",
-        help="show a progress bar of chunks for every operator kernel call (useful at --size seed)",
-    )
+    p.add_argument("--progress", action="store_true", help="a progress bar of chunks per operator call")
     a = p.parse_args(argv)
     if a.devices is not None:
-        n_los = los.SIZES[a.size].n_los
         if a.devices < 1:
             p.error(f"--devices must be at least 1, got {a.devices}")
-        if n_los % a.devices:
-            p.error(f"--devices {a.devices} does not divide the {n_los} lines of sight of --size {a.size}")
-    return run(
-        a.size,
-        a.out,
-        a.chunk,
-        a.iters,
-        fit_s=not a.no_fit_s,
-        figures=not a.no_figures,
-        rtol=a.rtol,
-        progress=a.progress,
-        devices=a.devices,
-        solver=a.solver,
-    )
+        if a.data is None and los.SIZES[a.size].n_los % a.devices:
+            p.error(f"--devices {a.devices} does not divide the {los.SIZES[a.size].n_los} lines of --size {a.size}")
+    if a.write_catalog:
+        _, cat = write_synthetic_catalog(a.size, a.write_catalog, a.progress)
+        log(f"wrote {a.write_catalog} ({cat.n_los} lines, {cat.nx} x {cat.ny} x {cat.n_bins})")
+        return {"catalog": a.write_catalog}
+    if a.data is None:
+        return run(
+            a.size,
+            a.out,
+            a.chunk,
+            fit_s=not a.no_fit_s,
+            figures=not a.no_figures,
+            rtol=a.rtol,
+            progress=a.progress,
+            devices=a.devices,
+            samples=a.samples,
+        )
+    try:
+        cat = load_catalog(a.data)
+    except CatalogError as e:
+        p.error(f"{a.data}: {e}")
+    mesh = device_mesh(a.devices) if a.devices is not None else None
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        rec = reconstruct_catalog(
+            cat, None, samples=32 if a.samples is None else a.samples, rtol=a.rtol, chunk=a.chunk or 8192, mesh=mesh
+        )
+    ev = None
+    if a.truth:
+        ev = evaluate(cat, rec, load_truth(a.truth))
+        rec["summary"]["evaluation"] = ev["metrics"]
+    write_outputs(a.out, cat, rec, truth=ev, figures=not a.no_figures)
+    log(f"done in {time.perf_counter() - T0:.1f}s")
+    return rec["summary"]
 
 
 if __name__ == "__main__":

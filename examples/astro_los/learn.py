@@ -1,0 +1,370 @@
+"""A reconstruction from a catalog alone: the prior's hyperparameters learned from the data.
+
+Model (nothing in it comes from a generator of synthetic skies)::
+
+    sky[p, k] = mu_k (1 + zeta[p]),      log mu_k = a + b t_k + c t_k^2 + const(b, c),
+    zeta ~ N(0, amp^2 K)  (stationary on the periodic (nx, ny) grid, power (1 + (2 pi ell k)^2)^-slope),
+
+``t_k`` the bin centre's ``ln r`` mapped linearly onto ``[-1, 1]`` over the catalog's edges (``mu`` is
+normalised so that ``exp(a)`` is its ``1/r^2``-weighted mean: see :func:`profile`). The
+hyperparameters ``theta = (a, b, c, ln amp, ln ell, ln slope)`` maximise the evidence (type-II maximum
+likelihood, exact: dense Cholesky on a plane-of-sky grid coarsened to at most ``MAX_COARSE``
+pixels) times a hyperprior ``b, c ~ N(0, 1)`` (a profile that is flat in density unless the data
+say otherwise; ``a``, ``amp``, ``ell``, ``slope`` have flat hyperpriors within bounds). Their uncertainty is
+the Laplace approximation (the Hessian of that objective, by ``jax.hessian`` in float64).
+
+Why the profile has a hyperprior: every line's weight vector has nearly the same shape
+(``w_k ~ (1/b_k - 1/b_{k+1}) / s``, see ``los.py``): the singular values of the lines' weights fall
+as 1, 2e-4, 3e-8, so the data measure one ``1/r^2``-weighted column per pixel and, pooled over
+the sky, at most one weak contrast of the radial profile. The radial profile, and so the
+distance-integrated column, is set by the hyperprior wherever the data are silent: the run
+reports how much the data constrained it and warns.
+
+The lines enter through their weights projected on ``J`` radial vectors (the leading right
+singular vectors of a sample of the catalog's weight vectors): ``G = W V`` (``n_los x J``),
+computed once in a chunked pass (``chunkop.map``); every radial quantity of a line is then
+``G (V^T f)`` (the truncation error is measured on every line and reported).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.optimize
+from catalog import Catalog
+
+import chunkop
+
+MAX_COARSE = 1024  # pixels of the grid on which the evidence is computed exactly
+PROFILE_PRIOR_SD = 1.0  # hyperprior sd of the profile's shape coefficients b, c
+NAMES = ("a", "b", "c", "log_amp", "log_ell", "log_slope")
+
+
+# -- the lines, compressed ----------------------------------------------------------------------
+
+
+def weights_np(d: np.ndarray, s: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """The LOS weights in float64 numpy (the same cancellation-free form as ``los.los_weights``)."""
+    d, s = np.asarray(d, np.float64)[:, None], np.asarray(s, np.float64)[:, None]
+    u = (1.0 / d - 1.0 / edges[:-1]) / s
+    return -np.exp(u) * np.expm1((1.0 / edges[:-1] - 1.0 / edges[1:]) / s)
+
+
+def radial_basis(cat: Catalog, J: int = 3, n_sample: int = 8192, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``V`` (``(n_bins, J)``): the leading right singular vectors of (row-normalised) weight vectors
+    of up to ``n_sample`` of the catalog's lines; and the singular values relative to the first."""
+    rng = np.random.default_rng(seed)
+    idx = rng.choice(cat.n_los, min(n_sample, cat.n_los), replace=False)
+    W = weights_np(cat.d[idx], cat.s[idx], cat.edges)
+    W /= np.linalg.norm(W, axis=1, keepdims=True)
+    _, sv, vt = np.linalg.svd(W, full_matrices=False)
+    return vt[:J].T.copy(), sv / sv[0]
+
+
+def compress_lines(cat: Catalog, V: np.ndarray, chunk: int = 8192) -> tuple[np.ndarray, float]:
+    """``G = W V`` for every line (``(n_los, J)`` float64) by ``chunkop.map`` over the lines (float32
+    weights, chunk by chunk: the ``n_los x n_bins`` weights are never stored), and the largest
+    relative truncation error ``|w - G V^T| / |w|`` over the lines."""
+    edges = cat.edges
+    Vj = jnp.asarray(V, jnp.float32)
+    inv_lo = jnp.asarray(1.0 / edges[:-1], jnp.float32)
+    dinv = jnp.asarray(1.0 / edges[:-1] - 1.0 / edges[1:], jnp.float32)
+
+    def one(row):
+        w = -jnp.exp((1.0 / row["d"] - inv_lo) / row["s"]) * jnp.expm1(dinv / row["s"])
+        g = w @ Vj
+        return g, jnp.linalg.norm(w - Vj @ g) / jnp.linalg.norm(w)
+
+    rows = {"d": jnp.asarray(cat.d), "s": jnp.asarray(cat.s)}
+    g, err = jax.jit(lambda r: chunkop.map(one, r, chunk_size=min(chunk, cat.n_los)))(rows)
+    return np.asarray(g, np.float64), float(jnp.max(err))
+
+
+# -- the prior ---------------------------------------------------------------------------------
+
+
+def profile_t(edges: np.ndarray) -> np.ndarray:
+    """``t_k``: the bin centres' ``ln r`` mapped linearly onto ``[-1, 1]``."""
+    lr = np.log(np.sqrt(edges[:-1] * edges[1:]))
+    lo, hi = np.log(edges[0]), np.log(edges[-1])
+    return (2 * lr - lo - hi) / (hi - lo)
+
+
+def profile_omega(edges: np.ndarray) -> np.ndarray:
+    """``omega_k``: the bins' share of the ``1/r^2``-weighted column, ``(1/b_k - 1/b_{k+1}) / (1/b_0 - 1/b_n)``."""
+    w = 1.0 / edges[:-1] - 1.0 / edges[1:]
+    return w / w.sum()
+
+
+def profile(theta, t, omega, xp: Any = jnp) -> Any:
+    """``mu_k = exp(a + b t_k + c t_k^2) / sum_j omega_j exp(b t_j + c t_j^2)``: ``exp(a)`` is the
+    profile's ``1/r^2``-weighted mean density (what the data measure), ``b``, ``c`` its shape.
+    ``theta`` of shape ``(5,)`` or ``(S, 5)`` (then ``(S, n_bins)``); differentiable (jnp)."""
+    theta = xp.asarray(theta)
+    a, b, c = theta[..., 0:1], theta[..., 1:2], theta[..., 2:3]
+    shape = b * t + c * t**2
+    return xp.exp(a + shape - xp.log(xp.sum(omega * xp.exp(shape), axis=-1, keepdims=True)))
+
+
+def field_power(nx: int, ny: int, ell: Any, slope: Any, full: bool = False, sqrt: bool = False) -> Any:
+    """Power spectrum ``(1 + (2 pi ell k)^2)^-slope`` of a unit-variance stationary field on the
+    periodic ``nx x ny`` grid (a Matern field of smoothness ``slope - 1``: ``slope`` 2.5 is
+    Matern-3/2; large ``slope`` approaches a squared-exponential), ``ell`` in pixels; zero at
+    ``k = 0`` (a field of zero mean over the grid: the level is the profile's ``a``), mean power 1;
+    rfft2 layout (``full``: fft2 layout); ``sqrt``: its square root. Differentiable in ``ell`` and
+    ``slope`` (the zero mode is masked, not square-rooted)."""
+    k2 = np.fft.fftfreq(nx)[:, None] ** 2 + np.fft.fftfreq(ny)[None, :] ** 2
+    mask = jnp.asarray(k2 > 0)
+    raw = jnp.exp(-slope * jnp.log1p((2 * np.pi * ell) ** 2 * jnp.asarray(k2)))
+    norm = jnp.mean(jnp.where(mask, raw, 0.0))
+    p = jnp.where(mask, jnp.sqrt(raw / norm), 0.0) if sqrt else jnp.where(mask, raw / norm, 0.0)
+    return p if full else p[:, : ny // 2 + 1]
+
+
+# -- the evidence on a coarse grid ----------------------------------------------------------------
+
+
+def coarse_factor(nx: int, ny: int, max_pixels: int = MAX_COARSE) -> int:
+    f = 1
+    while -(-nx // f) * -(-ny // f) > max_pixels:
+        f += 1
+    return f
+
+
+def _coarse(cat: Catalog, f: int) -> tuple[int, int, np.ndarray]:
+    nxc, nyc = -(-cat.nx // f), -(-cat.ny // f)
+    ix, iy = cat.pix // cat.ny, cat.pix % cat.ny
+    return nxc, nyc, (ix // f) * nyc + iy // f
+
+
+def _dense_sqrt_cov(nx: int, ny: int, ell, slope) -> Any:
+    """``K^1/2`` as a dense ``(nx ny) x (nx ny)`` matrix: the circulant of the square root of the
+    unit-variance power on the periodic grid (``K^1/2 K^1/2 = K``, ``K`` of unit diagonal)."""
+    c = jnp.fft.ifft2(field_power(nx, ny, ell, slope, full=True, sqrt=True)).real
+    ix, iy = np.divmod(np.arange(nx * ny), ny)
+    return c[(ix[:, None] - ix[None, :]) % nx, (iy[:, None] - iy[None, :]) % ny]
+
+
+def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[Callable, dict]:
+    """``-log evidence - log hyperprior`` of ``theta`` (float64 jnp; call under ``jax.enable_x64``).
+
+    With ``r = y - A mu``, ``m = A mu`` line by line, ``D``, ``t`` the coarse pixels' sums of
+    ``m^2 / sigma^2`` and ``m r / sigma^2``, ``H = I + K^1/2 D K^1/2``: the quadratic form
+    ``r^T (N + M K M^T)^-1 r`` is evaluated as the posterior mean's ``chi2 + |xi|^2``
+    (``xi = H^-1 K^1/2 t``, ``zeta = K^1/2 xi``), free of the cancellation of ``r^T N^-1 r - ...``;
+    ``log det = log |N| + log |H|`` (Cholesky).
+    """
+    nxc, nyc, cpix = _coarse(cat, f)
+    n_c = nxc * nyc
+    t, om = jnp.asarray(profile_t(cat.edges)), jnp.asarray(profile_omega(cat.edges))
+    Gj, Vj = jnp.asarray(G), jnp.asarray(V)
+    y, iv = jnp.asarray(cat.y, jnp.float64), jnp.asarray(1.0 / cat.sigma.astype(np.float64) ** 2)
+    cp = jnp.asarray(cpix)
+    log_norm = float(np.sum(np.log(2 * np.pi * cat.sigma.astype(np.float64) ** 2)))
+
+    def objective(theta):
+        m = Gj @ (Vj.T @ profile(theta, t, om))  # A mu, line by line
+        r = y - m
+        tp = jax.ops.segment_sum(m * r * iv, cp, n_c)
+        D = jax.ops.segment_sum(m * m * iv, cp, n_c)
+        Ks = jnp.exp(theta[3]) * _dense_sqrt_cov(nxc, nyc, jnp.exp(theta[4]), jnp.exp(theta[5]))
+        H = jnp.eye(n_c) + Ks @ (D[:, None] * Ks)
+        L = jnp.linalg.cholesky(H)
+        xi = jax.scipy.linalg.cho_solve((L, True), Ks @ tp)
+        zeta = Ks @ xi
+        res = r - m * zeta[cp]
+        quad = jnp.sum(res * res * iv) + xi @ xi
+        logdet = 2 * jnp.sum(jnp.log(jnp.diag(L)))
+        nll = 0.5 * (quad + logdet + log_norm)
+        return nll + 0.5 * (theta[1] ** 2 + theta[2] ** 2) / PROFILE_PRIOR_SD**2
+
+    info = {"coarse_factor": f, "coarse_grid": [nxc, nyc]}
+    return objective, info
+
+
+def learn_hyperparameters(cat: Catalog, G: np.ndarray, V: np.ndarray, log: Callable = print) -> dict:
+    """Type-II MAP of ``theta`` and its Laplace covariance; returns a dict (see :func:`report`)."""
+    f = coarse_factor(cat.nx, cat.ny)
+    t0 = time.perf_counter()
+    with jax.enable_x64(True):
+        objective, info = make_objective(cat, G, V, f)
+        nxc, nyc = info["coarse_grid"]
+        vg = jax.jit(jax.value_and_grad(objective))
+        # the level a by least squares at a flat profile; then a log-spaced grid of lengths
+        m0 = G @ (V.T @ np.ones(cat.n_bins))
+        iv = 1.0 / cat.sigma.astype(np.float64) ** 2
+        a0 = float(np.log(max(np.sum(cat.y * m0 * iv) / np.sum(m0 * m0 * iv), 1e-30)))
+        lo_ell, hi_ell = np.log(0.5), np.log(float(max(nxc, nyc)))
+        bounds = [
+            (a0 - 20, a0 + 20),
+            (-6.0, 6.0),
+            (-6.0, 6.0),
+            (np.log(1e-3), np.log(10.0)),
+            (lo_ell, hi_ell),
+            (np.log(1.2), np.log(50.0)),
+        ]
+        starts = [
+            np.array([a0, 0.0, 0.0, np.log(0.3), le, np.log(sl)])
+            for le in np.linspace(lo_ell + 0.5, hi_ell - 0.5, 4)
+            for sl in (2.5, 10.0)
+        ]
+        vals = [float(vg(jnp.asarray(s0))[0]) for s0 in starts]
+        x0 = starts[int(np.argmin(vals))]
+
+        # L-BFGS-B on coordinates scaled by the Hessian's diagonal at the start (the level a is
+        # ~1e3x more sharply determined than the rest)
+        hess = jax.jit(jax.hessian(objective))
+        scale = 1.0 / np.sqrt(np.maximum(np.abs(np.diag(np.asarray(hess(jnp.asarray(x0))))), 1e-8))
+
+        def fun(u):
+            v, g = vg(jnp.asarray(x0 + scale * u))
+            return float(v), scale * np.asarray(g, np.float64)
+
+        ub = [((lo - x) / sc_, (hi - x) / sc_) for (lo, hi), x, sc_ in zip(bounds, x0, scale)]
+        opt = scipy.optimize.minimize(
+            fun, np.zeros(len(NAMES)), jac=True, method="L-BFGS-B", bounds=ub, options={"maxiter": 300}
+        )
+        theta = x0 + scale * opt.x
+        H = np.asarray(hess(jnp.asarray(theta)), np.float64)
+    H = 0.5 * (H + H.T)
+    w, vec = np.linalg.eigh(H)
+    cov = (vec / np.maximum(w, 1e-12)) @ vec.T  # Laplace; flat directions capped (reported)
+    at_bound = [NAMES[i] for i, (lo, hi) in enumerate(bounds) if min(theta[i] - lo, hi - theta[i]) < 1e-3 * (hi - lo)]
+    sd = np.sqrt(np.diag(cov))
+    # how much the data constrained the profile's shape (b, c): posterior sd / hyperprior sd
+    shape_ratio = [float(sd[1] / PROFILE_PRIOR_SD), float(sd[2] / PROFILE_PRIOR_SD)]
+    out = {
+        "theta": theta.tolist(),
+        "theta_sd": sd.tolist(),
+        "theta_cov": cov.tolist(),
+        "names": list(NAMES),
+        "bounds": [list(b) for b in bounds],
+        "at_bound": at_bound,
+        "amp": float(np.exp(theta[3])),
+        "ell_pixels": float(np.exp(theta[4]) * f),
+        "slope": float(np.exp(theta[5])),
+        "neg_log_posterior": float(opt.fun),
+        "optimizer": {"success": bool(opt.success), "iterations": int(opt.nit), "message": str(opt.message)},
+        "neg_log_posterior_start": float(min(vals)),
+        "profile_shape_sd_over_prior_sd": shape_ratio,
+        "profile_prior_sd": PROFILE_PRIOR_SD,
+        "seconds": time.perf_counter() - t0,
+        **info,
+    }
+    log(
+        f"learned: level a = {theta[0]:.4f} +- {sd[0]:.4f}, profile shape b = {theta[1]:+.3f} +- {sd[1]:.3f}, "
+        f"c = {theta[2]:+.3f} +- {sd[2]:.3f} (hyperprior sd {PROFILE_PRIOR_SD}), field sd {out['amp']:.3f} "
+        f"(x/ {np.exp(sd[3]):.3f}), correlation length {out['ell_pixels']:.2f} px (x/ {np.exp(sd[4]):.3f}), "
+        f"spectral slope {out['slope']:.2f} (x/ {np.exp(sd[5]):.3f}); "
+        f"coarse grid {nxc} x {nyc} (factor {f}), {opt.nit} L-BFGS-B iterations"
+    )
+    return out
+
+
+# -- the posterior at full resolution -------------------------------------------------------------
+
+
+def _pcg(H: Callable, M: Callable, b: jax.Array, iters: int, rtol: float):
+    """Preconditioned CG for ``H x = b`` from 0 (a ``lax.while_loop``); returns (x, steps, rel. residual)."""
+    z = M(b)
+    rz0 = jnp.vdot(b, z)
+
+    def cond(st):
+        return (st[0] < iters) & (st[4] > rtol**2 * rz0)
+
+    def body(st):
+        k, x, r, p, rz = st
+        Hp = H(p)
+        alpha = rz / jnp.vdot(p, Hp)
+        x, r = x + alpha * p, r - alpha * Hp
+        z = M(r)
+        rz_new = jnp.vdot(r, z)
+        return k + 1, x, r, z + (rz_new / rz) * p, rz_new
+
+    k, x, _, _, rz = jax.lax.while_loop(cond, body, (jnp.int32(0), jnp.zeros_like(b), b, z, rz0))
+    return x, k, jnp.sqrt(rz / rz0)
+
+
+def posterior(
+    cat: Catalog,
+    G: np.ndarray,
+    V: np.ndarray,
+    hyper: dict,
+    n_samples: int = 32,
+    iters: int = 200,
+    rtol: float = 1e-5,
+    seed: int = 0,
+) -> dict:
+    """The posterior of ``zeta`` given the learned ``theta`` at full resolution, and samples.
+
+    Whitened: ``zeta = C^1/2 xi``, ``(I + C^1/2 D C^1/2) xi = C^1/2 t`` (``D``, ``t``: per-pixel sums
+    of ``m^2 / sigma^2`` and ``m (y - m) / sigma^2`` over the pixel's lines), CG preconditioned by the
+    exact inverse for the mean ``D`` (diagonal in Fourier space). A sample (perturb and solve):
+    ``xi_s = H^-1 (C^1/2 t + e1 + C^1/2 D^1/2 e2)``, ``e ~ N(0, I)``; samples of ``theta`` from the
+    Laplace approximation give the profile's share of the spread.
+    """
+    nx, ny = cat.nx, cat.ny
+    theta = np.asarray(hyper["theta"])
+    t = profile_t(cat.edges)
+    om = profile_omega(cat.edges)
+    mu = np.asarray(profile(theta, t, om, np))
+    m = G @ (V.T @ mu)
+    iv = 1.0 / cat.sigma.astype(np.float64) ** 2
+    D = np.bincount(cat.pix, m * m * iv, cat.n_pix)
+    tp = np.bincount(cat.pix, m * (cat.y - m) * iv, cat.n_pix)
+    power = hyper["amp"] ** 2 * np.asarray(field_power(nx, ny, hyper["ell_pixels"], hyper["slope"]), np.float64)
+    sq = jnp.asarray(np.sqrt(power), jnp.float32)
+    Dj = jnp.asarray(D, jnp.float32)
+    pre = jnp.asarray(1.0 / (1.0 + power * D.mean()), jnp.float32)
+
+    def filt(v, p):  # v (..., n_pix) -> the field filtered by the power p (rfft2 layout)
+        f = jnp.fft.rfft2(v.reshape(*v.shape[:-1], nx, ny)) * p
+        return jnp.fft.irfft2(f, s=(nx, ny)).reshape(v.shape).astype(v.dtype)
+
+    def solve(rhs):
+        scale = jnp.sqrt(jnp.sum(rhs * rhs))
+        H = lambda xi: xi + filt(Dj * filt(xi, sq), sq)
+        xi, k, rel = _pcg(H, lambda r: filt(r, pre), rhs / scale, iters, rtol)
+        return filt(xi, sq) * scale, k, rel
+
+    b = filt(jnp.asarray(tp, jnp.float32), sq)
+    zeta, k, rel = jax.jit(solve)(b)
+    out = {"zeta": np.asarray(zeta, np.float64), "mu": mu, "cg_iterations": int(k), "cg_relative_residual": float(rel)}
+    if n_samples > 0:
+        key = jax.random.key(seed)
+        e1 = jax.random.normal(key, (n_samples, cat.n_pix))
+        e2 = jax.random.normal(jax.random.fold_in(key, 1), (n_samples, cat.n_pix))
+        rhs = b[None] + e1 + filt(jnp.sqrt(Dj) * e2, sq)
+        zs, ks, _ = jax.jit(jax.vmap(solve))(rhs)
+        rng = np.random.default_rng(seed)
+        ths = rng.multivariate_normal(theta, np.asarray(hyper["theta_cov"]), n_samples)
+        out["zeta_samples"] = np.asarray(zs, np.float64)
+        out["mu_samples"] = np.asarray(profile(ths, t, om, np))
+        out["sample_cg_iterations_max"] = int(jnp.max(ks))
+    return out
+
+
+def sky_summaries(cat: Catalog, post: dict) -> dict:
+    """The posterior mean sky given the learned hyperparameters (``(n_pix, n_bins)`` float32), its std
+    over the samples (profile uncertainty included), and per pixel the two columns with their std:
+    ``column`` = ``sum_k sky_k (b_{k+1} - b_k)`` (pc x density) and ``wcolumn`` = ``sum_k sky_k
+    (1/b_k - 1/b_{k+1})`` (the ``1/r^2``-weighted column each line measures, up to its ``1/s``)."""
+    db = np.diff(cat.edges)
+    dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
+    mu, zeta = post["mu"], post["zeta"]
+    mean = (mu[None, :] * (1.0 + zeta[:, None])).astype(np.float32)
+    out = {"mean": mean, "column": (1 + zeta) * (mu @ db), "wcolumn": (1 + zeta) * (mu @ dib)}
+    if "zeta_samples" in post:
+        Z, M = 1.0 + post["zeta_samples"], post["mu_samples"]
+        S = Z.shape[0]
+        e1 = (Z.T @ M) / S
+        e2 = ((Z * Z).T @ (M * M)) / S
+        out["std"] = np.sqrt(np.maximum(e2 - e1 * e1, 0.0)).astype(np.float32)
+        out["column_std"] = np.std(Z * (M @ db)[:, None], axis=0)
+        out["wcolumn_std"] = np.std(Z * (M @ dib)[:, None], axis=0)
+    return out
