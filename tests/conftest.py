@@ -15,47 +15,9 @@ from _device_checks import TEST_XLA_FLAGS
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):  # before JAX starts
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-
-
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _as_numpy(x):
-    if _is_key(x):
-        return np.asarray(jax.random.key_data(x))
-    return np.asarray(x)
-
-
-def _canonical_dtype(x):
-    if isinstance(x, jax.Array):
-        return x.dtype
-    return jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
-
-
-def assert_tree_allclose(actual, expected, *, rtol: float = 1e-5, atol: float = 1e-5, check_dtype: bool = True):
-    """``actual`` equals ``expected``: same tree, shapes and dtypes; values to ``rtol``/``atol``."""
-    a_leaves, a_tree = jax.tree_util.tree_flatten(actual)
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    assert a_tree == e_tree, f"tree structure differs:\n  actual:   {a_tree}\n  expected: {e_tree}"
-    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
-        a_shape, e_shape = np.shape(a), np.shape(e)
-        assert a_shape == e_shape, f"leaf {i}: shape {a_shape} != expected {e_shape}"
-        if check_dtype:
-            # Python scalars / NumPy arrays (which jax.vmap passes through unmapped outputs
-            # untouched) are compared by the dtype JAX would give them.
-            a_dtype, e_dtype = _canonical_dtype(a), _canonical_dtype(e)
-            assert a_dtype == e_dtype, f"leaf {i}: dtype {a_dtype} != expected {e_dtype}"
-        assert _is_key(a) == _is_key(e), f"leaf {i}: one is a PRNG key array and the other is not"
-        an, en = _as_numpy(a), _as_numpy(e)
-        if np.issubdtype(en.dtype, np.inexact):
-            np.testing.assert_allclose(an, en, rtol=rtol, atol=atol, err_msg=f"leaf {i}")
-        else:
-            np.testing.assert_array_equal(an, en, err_msg=f"leaf {i}")
+from _tolerance import assert_tree_allclose  # noqa: F401  (the suite imports it from here)
 
 
 def count_eqns(jaxpr) -> int:
