@@ -1,5 +1,6 @@
 """The jaxpr types chunkop reads (from ``jax.extend.core`` where this JAX version exports them),
-and the one walk over a jaxpr's data dependencies that the estimate and the checks share.
+the one walk over a jaxpr's data dependencies that the estimate and the checks share, and the
+context an equation is re-bound in when a jaxpr is evaluated (:func:`eqn_context`).
 
 ``jax.extend.core`` exports ``DropVar`` and ``jaxprs_in_params`` only in recent versions;
 older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them in
@@ -8,12 +9,14 @@ older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from jax._src import source_info_util as _source_info  # no public form of eval_jaxpr's per-equation context
 from jax.extend import core as _ext
 
-__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "dependent_eqns", "jaxprs_in_params"]
+__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "dependent_eqns", "eqn_context", "jaxprs_in_params"]
 
 ClosedJaxpr = _ext.ClosedJaxpr
 Jaxpr = _ext.Jaxpr
@@ -44,3 +47,13 @@ def dependent_eqns(jaxpr: Any, inputs: set) -> Iterator[tuple[Any, list[tuple[An
             for sub in jaxprs_in_params(eqn.params)
         ]
         yield eqn, subs
+
+
+@contextlib.contextmanager
+def eqn_context(eqn: Any) -> Iterator[None]:
+    """The context ``jax.core.eval_jaxpr`` binds an equation in: its source location and name
+    stack (so JAX's messages point at the user's line) and its equation context (compute type,
+    PRNG implementation, XLA metadata)."""
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield

@@ -1,26 +1,29 @@
-"""Tracing the user's function once per call, on one example, with its closure converted.
+"""The one trace of a user's function (``fun`` of the transforms, ``row_fn`` of an operator).
 
-``fun`` is traced with ``jax.make_jaxpr`` on one example of the mapped arguments (abstract,
-the mapped axis removed); unmapped arguments reach it exactly as ``jax.vmap`` passes them
-(Python numbers, strings, ``None``, NumPy arrays and arbitrary objects as themselves, arrays
-concretely). Every array the trace reads without it being a mapped argument (closed-over arrays,
-unmapped array arguments, tracers of enclosing transforms) becomes a *constant* of the jaxpr;
-the constants are handed to the compiled chunk loop as arguments, never baked into it. So the
-result always reflects the state at call time, and one compiled loop serves every call that
-traces to the same jaxpr (see :mod:`chunkop._cache`).
+:func:`trace` traces a function with ``jax.make_jaxpr`` and closure-converts it: every array the
+trace reads that is not an argument (closed-over arrays, unmapped array arguments, tracers of
+enclosing transforms, and the arrays an inner ``jax.jit`` closes over, at any depth) becomes a
+*constant* of the jaxpr. The constants are handed to the compiled program as arguments (the
+chunk loop) or stored as leaves (a ``RowOperator``'s ``consts``), never baked into it. So the
+result always reflects the state at call time, and one compiled program serves every call (or
+operator) that traces to the same jaxpr (see :mod:`chunkop._cache`).
 
-The trace runs under ``axis_env=[(axis_name, n)]``: queries of the axis size (``lax.axis_size``,
-``lax.psum`` of an unbatched value) fold to the full size ``n`` exactly as under ``jax.vmap``.
-Collectives whose value depends on the other elements (``psum`` of batched values,
-``axis_index``, ``all_gather`` ...) cannot be computed chunk by chunk and raise ``ValueError``,
-also when they appear only in a ``custom_jvp``/``custom_vjp`` rule.
+:func:`trace_example` is the transforms' use of it: ``fun`` on one example of the mapped
+arguments (abstract, the mapped axis removed); unmapped arguments reach it exactly as
+``jax.vmap`` passes them (Python numbers, strings, ``None``, NumPy arrays and arbitrary objects
+as themselves, arrays concretely). The trace runs under ``axis_env=[(axis_name, n)]``: queries
+of the axis size (``lax.axis_size``, ``lax.psum`` of an unbatched value) fold to the full size
+``n`` exactly as under ``jax.vmap``. Collectives whose value depends on the other elements
+(``psum`` of batched values, ``axis_index``, ``all_gather`` ...) cannot be computed chunk by
+chunk and raise ``ValueError``, also when they appear only in a ``custom_jvp``/``custom_vjp``
+rule.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,7 +34,7 @@ from ._axes import replace_at
 from ._cache import ClosesOverTracer, Uncacheable, jaxpr_key
 from ._tree import is_float as _is_float
 
-__all__ = ["Traced", "trace_example", "eval_traced"]
+__all__ = ["Traced", "trace", "trace_example", "eval_traced"]
 
 _CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vmap_call", "custom_lin")
 
@@ -207,18 +210,78 @@ def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int
             )
 
 
-# -- constants baked into inner jits ---------------------------------------------------------------
+# -- constants baked into inner jits, at every depth -----------------------------------------------
+#
+# A jax.jit called inside `fun` keeps the arrays it closes over as constants of its own closed
+# sub-jaxpr (jax.lax.cond, scan, while_loop and jax.checkpoint pass what their bodies close over
+# as operands instead). Left there, they would be baked into the compiled loop and key it by
+# value: one compile per new parameter, each kept alive by the cache. The jaxpr is evaluated once
+# more with every such jit inlined, wherever it sits (inside other jits, cond branches, scan and
+# while bodies, checkpointed functions), so its constants become constants of the whole trace.
+# A control-flow equation on the way is re-bound with the constants its bodies now read added as
+# leading operands (its parameters otherwise unchanged). Not entered: the rules and primal of a
+# custom_jvp/custom_vjp function (their traced rules would still read the old values; they are
+# keyed by value, see chunkop._cache), shard_map bodies, and jits with explicit shardings or
+# compiler options (inlining would drop them): constants there stay baked, keyed by value.
+
+_JITS = ("jit", "pjit")
+_CHECKPOINTS = ("checkpoint", "remat2")
 
 
-def _jit_with_consts(eqn: Any) -> bool:
-    sub = eqn.params.get("jaxpr")
-    return eqn.primitive.name in ("jit", "pjit") and isinstance(sub, _jaxpr.ClosedJaxpr) and bool(sub.consts)
+class _KeepEquation(Exception):
+    """A re-bound equation would not be exact: bind the original one (its constants stay baked)."""
 
 
-def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
-    """Evaluate ``jaxpr`` like ``jax.core.eval_jaxpr``, but inline every ``jit`` whose jaxpr holds
-    constants (an inner ``jax.jit`` closing over arrays), so that those arrays become constants of
-    the enclosing trace (hoisted) instead of values baked into the program."""
+def _is_unspecified(sharding: Any) -> bool:
+    return sharding is None or type(sharding).__name__ == "UnspecifiedValue"
+
+
+def _inlinable_jit(eqn: Any) -> bool:
+    """A ``jit`` equation with a closed sub-jaxpr, no explicit sharding and no compiler option."""
+    p = eqn.params
+    return (
+        eqn.primitive.name in _JITS
+        and isinstance(p.get("jaxpr"), _jaxpr.ClosedJaxpr)
+        and all(_is_unspecified(s) for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+        and not p.get("compiler_options_kvs")
+    )
+
+
+def _bodies(eqn: Any) -> list:
+    """The sub-jaxprs the inliner enters for this equation (``ClosedJaxpr`` or open ``Jaxpr``)."""
+    name, p = eqn.primitive.name, eqn.params
+    if _inlinable_jit(eqn):
+        return [p["jaxpr"]]
+    if name == "cond":
+        return list(p["branches"])
+    if name == "scan":
+        return [p["jaxpr"]]
+    if name == "while":
+        return [p["cond_jaxpr"], p["body_jaxpr"]]
+    if name in _CHECKPOINTS and isinstance(p.get("jaxpr"), _jaxpr.Jaxpr):
+        return [p["jaxpr"]]
+    return []
+
+
+def _holds_consts(jaxpr: Any, memo: dict) -> bool:
+    """Whether ``jaxpr`` (closed or open) holds constants that inlining can hoist: its own (a
+    closed sub-jaxpr's), or an inner jit's at any depth the inliner enters."""
+    found = memo.get(id(jaxpr))
+    if found is None:
+        own = bool(jaxpr.consts) if isinstance(jaxpr, _jaxpr.ClosedJaxpr) else False
+        open_ = jaxpr.jaxpr if isinstance(jaxpr, _jaxpr.ClosedJaxpr) else jaxpr
+        found = own or any(_eqn_holds_consts(eqn, memo) for eqn in open_.eqns)
+        memo[id(jaxpr)] = found
+    return found
+
+
+def _eqn_holds_consts(eqn: Any, memo: dict) -> bool:
+    return any(_holds_consts(sub, memo) for sub in _bodies(eqn))
+
+
+def _eval_hoisting(jaxpr: Any, consts: Any, *args: Any, memo: dict) -> list:
+    """Evaluate ``jaxpr`` on the current trace like ``jax.core.eval_jaxpr``, inlining inner jits
+    and re-binding control flow so that no constant stays inside a sub-jaxpr (see above)."""
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -228,37 +291,174 @@ def _eval_inlining_jits(jaxpr: Any, consts: list, *args: Any) -> list:
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        if _jit_with_consts(eqn):
-            sub = eqn.params["jaxpr"]
-            outs = _eval_inlining_jits(sub.jaxpr, list(sub.consts), *invals)
-        else:
-            with eqn.ctx.manager:  # as jax.core.eval_jaxpr binds an equation
+        outs = None
+        with _jaxpr.eqn_context(eqn):
+            if _eqn_holds_consts(eqn, memo):
+                try:
+                    outs = _rebind(eqn, invals, memo)
+                except _KeepEquation:
+                    outs = None
+            if outs is None:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = outs if eqn.primitive.multiple_results else [outs]
+                outs = outs if eqn.primitive.multiple_results else [outs]
         for v, o in zip(eqn.outvars, outs):
             if not isinstance(v, _jaxpr.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
 
 
+def _retrace(body: Any, memo: dict) -> Any:
+    """``body`` (closed or open) traced again with inner jits inlined: a closed jaxpr on the same
+    inputs whose constants are everything hoisted out of it."""
+    open_, consts = (body.jaxpr, body.consts) if isinstance(body, _jaxpr.ClosedJaxpr) else (body, ())
+    return jax.make_jaxpr(lambda *a: _eval_hoisting(open_, consts, *a, memo=memo))(*[v.aval for v in open_.invars])
+
+
+def _taking_consts(bodies: list, memo: dict) -> tuple[list, list]:
+    """The ``bodies`` re-traced (:func:`_retrace`), each as a closed jaxpr without constants
+    taking ``(*hoisted, *its own inputs)``, where ``hoisted`` are the constants of all of them
+    (so cond branches share one operand list); and ``hoisted``."""
+    firsts = [_retrace(body, memo) for body in bodies]
+    hoisted = [c for f in firsts for c in f.consts]
+    const_avals = [v.aval for f in firsts for v in f.jaxpr.constvars]
+    taking, start = [], 0
+    for f in firsts:
+        k = len(f.consts)
+
+        def call(*a: Any, f: Any = f, lo: int = start, hi: int = start + k) -> list:
+            return jax.core.eval_jaxpr(f.jaxpr, a[lo:hi], *a[len(hoisted) :])
+
+        closed = jax.make_jaxpr(call)(*const_avals, *[v.aval for v in f.jaxpr.invars])
+        if closed.consts:
+            raise _KeepEquation
+        taking.append(closed)
+        start += k
+    return taking, hoisted
+
+
+def _rebind(eqn: Any, invals: list, memo: dict) -> list:
+    """One equation whose bodies hold constants, on the current trace with those hoisted."""
+    name, p = eqn.primitive.name, eqn.params
+    if _inlinable_jit(eqn):
+        return _eval_hoisting(p["jaxpr"].jaxpr, p["jaxpr"].consts, *invals, memo=memo)
+    if name == "cond":
+        branches, hoisted = _taking_consts(list(p["branches"]), memo)
+        index, *ops = invals
+        return eqn.primitive.bind(index, *hoisted, *ops, **dict(p, branches=tuple(branches)))
+    if name == "scan":
+        (body,), hoisted = _taking_consts([p["jaxpr"]], memo)
+        params = dict(p, jaxpr=body, num_consts=p["num_consts"] + len(hoisted))
+        if "linear" in p:
+            params["linear"] = (False,) * len(hoisted) + tuple(p["linear"])
+        return eqn.primitive.bind(*hoisted, *invals, **params)
+    if name == "while":
+        (cond,), cond_hoisted = _taking_consts([p["cond_jaxpr"]], memo)
+        (body,), body_hoisted = _taking_consts([p["body_jaxpr"]], memo)
+        nc, nb = p["cond_nconsts"], p["body_nconsts"]
+        cond_consts, body_consts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+        params = dict(
+            p,
+            cond_jaxpr=cond,
+            body_jaxpr=body,
+            cond_nconsts=nc + len(cond_hoisted),
+            body_nconsts=nb + len(body_hoisted),
+        )
+        return eqn.primitive.bind(*cond_hoisted, *cond_consts, *body_hoisted, *body_consts, *carry, **params)
+    if name in _CHECKPOINTS:
+        (body,), hoisted = _taking_consts([p["jaxpr"]], memo)
+        cse = p["prevent_cse"]
+        if isinstance(cse, tuple):  # per operand, as jax.checkpoint sets it: none for constants
+            cse = (False,) * len(hoisted) + cse
+        return eqn.primitive.bind(*hoisted, *invals, **dict(p, jaxpr=body.jaxpr, prevent_cse=cse))
+    raise _KeepEquation
+
+
+def _hoist_inner_consts(closed: Any, axis_env: list) -> Any:
+    """``closed`` with the constants of inner jits (at any depth the inliner enters) hoisted into
+    its own constants; ``closed`` itself when it has none."""
+    memo: dict = {}
+    if not any(_eqn_holds_consts(eqn, memo) for eqn in closed.jaxpr.eqns):
+        return closed
+    avals = [v.aval for v in closed.jaxpr.invars]
+    return jax.make_jaxpr(lambda *a: _eval_hoisting(closed.jaxpr, closed.consts, *a, memo=memo), axis_env=axis_env)(
+        *avals
+    )
+
+
 # -- tracing ---------------------------------------------------------------------------------------
 
 
-def _fold_concrete(axis_name: Hashable | None) -> Any:
+def _fold_concrete(enabled: bool) -> Any:
     """While tracing ``fun``: operations on concrete (unmapped, eager) values only are computed
     then, as under ``jax.vmap``, so ``fun`` may use them in Python control flow
     (``if float(w.sum()) > 0``); their results are hoisted like any other constant.
 
-    Not with an ``axis_name``: a collective without operands (``lax.axis_index``) would be
-    computed outside the axis' scope. Not inside a ``shard_map`` body (a mesh axis is Manual):
-    a value computed eagerly there would carry the enclosing mesh's type, not the body's.
+    Not with an ``axis_name`` (``enabled`` False): a collective without operands
+    (``lax.axis_index``) would be computed outside the axis' scope. Not inside a ``shard_map``
+    body (a mesh axis is Manual): a value computed eagerly there would carry the enclosing mesh's
+    type, not the body's.
     """
     from jax._src import config as _config  # no public switch for this yet
 
     state = getattr(_config, "eager_constant_folding", None)
     mesh = jax.sharding.get_abstract_mesh()
     manual = any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ()) or ())
-    return state(True) if state is not None and axis_name is None and not manual else contextlib.nullcontext()
+    return state(True) if state is not None and enabled and not manual else contextlib.nullcontext()
+
+
+def _named_after(fn: Callable, like: Any) -> Callable:
+    """A fresh function calling ``fn``, named after ``like`` (and pointing at its source), so
+    JAX's messages (a non-array output, a leaked tracer ...) name the user's function. Fresh:
+    ``jax.make_jaxpr`` caches traces by function identity, which would return the arrays a
+    previous trace closed over."""
+
+    def traced(*args: Any) -> Any:
+        return fn(*args)
+
+    traced.__name__ = traced.__qualname__ = getattr(
+        like, "__qualname__", getattr(like, "__name__", type(like).__name__)
+    )
+    code = getattr(inspect.unwrap(like), "__code__", None) if callable(like) else None
+    if code is not None:
+        traced.__code__ = traced.__code__.replace(co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
+    return traced
+
+
+def trace(
+    fn: Callable, *args: Any, named_after: Any = None, axis_env: Sequence = (), fold: bool = False
+) -> tuple[Any, Any]:
+    """Trace ``fn(*args)`` once: the one trace of a user's function (``fun``, ``row_fn``).
+
+    Every array the trace reads that is not an argument (closed over, an enclosing transform's
+    tracer, a constant of an inner ``jax.jit`` at any depth) is a constant of the returned jaxpr,
+    never baked into a sub-jaxpr, so a compiled program keyed by the jaxpr's structure
+    (:func:`chunkop._cache.jaxpr_key`) is reused across new values of those arrays and keeps none
+    of them alive.
+
+    Args:
+        fn: the function, of ``args``.
+        *args: pytrees of ``jax.ShapeDtypeStruct`` (or values) to trace it on.
+        named_after: whose name and source location JAX's messages show (default ``fn``).
+        axis_env: ``(axis_name, size)`` pairs the trace runs under (``jax.make_jaxpr``'s).
+        fold: compute operations on concrete values while tracing (see :func:`_fold_concrete`).
+
+    Returns:
+        ``(closed_jaxpr, out_shapes)``: the invars are the leaves of ``args``, ``out_shapes``
+        ``fn``'s output as a pytree of ``jax.ShapeDtypeStruct``.
+    """
+    traced = _named_after(fn, fn if named_after is None else named_after)
+    env = list(axis_env)
+    try:
+        with _fold_concrete(fold):
+            closed, out_shapes = jax.make_jaxpr(traced, axis_env=env, return_shape=True)(*args)
+    except jax.errors.UnexpectedTracerError:
+        if not fold:
+            raise
+        # Folding ran a custom_vjp/custom_jvp on concrete arguments eagerly while it closes over
+        # a value of this trace (jax.vmap never stages it, so it works there): trace again,
+        # without folding (fun's trace-time side effects then run twice, in this case only).
+        closed, out_shapes = jax.make_jaxpr(traced, axis_env=env, return_shape=True)(*args)
+    return _hoist_inner_consts(closed, env), out_shapes
 
 
 def trace_example(
@@ -298,29 +498,10 @@ def trace_example(
         args, kwargs = jax.tree_util.tree_unflatten(treedef, replace_at(leaves, mapped, examples))
         return fun(*args, **kwargs)
 
-    # JAX's messages (a non-array output, a tracer leaked ...) name the traced function: the user's
-    one.__name__ = one.__qualname__ = getattr(fun, "__qualname__", getattr(fun, "__name__", type(fun).__name__))
-    code = getattr(inspect.unwrap(fun), "__code__", None) if callable(fun) else None
-    if code is not None:
-        one.__code__ = one.__code__.replace(co_filename=code.co_filename, co_firstlineno=code.co_firstlineno)
-
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
     n_env = n if axis_env_size is None else axis_env_size
     env = [(axis_name, n_env)] if axis_name is not None else []
-    try:
-        with _fold_concrete(axis_name):
-            closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
-    except jax.errors.UnexpectedTracerError:
-        # Folding ran a custom_vjp/custom_jvp on concrete arguments eagerly while it closes over
-        # a value of this trace (jax.vmap never stages it, so it works there): trace again,
-        # without folding (fun's trace-time side effects then run twice, in this case only).
-        closed, out_shapes = jax.make_jaxpr(one, axis_env=env, return_shape=True)(*structs)
-    if any(_jit_with_consts(eqn) for eqn in closed.jaxpr.eqns):
-        # An inner jax.jit closing over arrays (built afresh per step over new parameters, say):
-        # trace once more with it inlined, so those arrays are hoisted (passed to the compiled
-        # loop as arguments, not baked into it) and the loop is reused across steps.
-        inner = closed
-        closed = jax.make_jaxpr(lambda *ex: _eval_inlining_jits(inner.jaxpr, inner.consts, *ex), axis_env=env)(*structs)
+    closed, out_shapes = trace(one, *structs, named_after=fun, axis_env=env, fold=axis_name is None)
     if axis_name is not None:
         _check_collectives(closed, axis_name, n_env, chunk_size, where)
     refusal = None

@@ -44,6 +44,7 @@ from .. import _jaxpr
 from .._cache import Uncacheable, jaxpr_key, setting_key
 from .._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
 from .._progress import Progress
+from .._trace import trace
 from .._tree import dtype_of as _dtype
 from .._tree import is_float as _is_float
 from .._tree import zeros_of as _zeros
@@ -114,14 +115,15 @@ def make_spec(
 ) -> tuple[Spec, tuple]:
     """Trace ``row_fn`` on one row and ``x``: its :class:`Spec`, and the arrays it closes over.
 
-    Every array constant of the trace (a closed-over ``jax.Array``, NumPy array or tracer) is
-    returned in ``consts``, to be stored as a leaf of the operator: never in the static spec.
+    Every array constant of the trace (a closed-over ``jax.Array``, NumPy array or tracer, or
+    one an inner ``jax.jit`` closes over, at any depth: :func:`chunkop._trace.trace`) is
+    returned in ``consts``, to be stored as a leaf of the operator: never in the static spec, so
+    kernels compiled for one operator serve every operator whose ``row_fn`` traces alike.
     """
     row0 = _tu.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], jnp.result_type(a)), rows)
     in_leaves, in_tree = _tu.tree_flatten(in_structure)
-    # a fresh wrapper: jax.make_jaxpr caches traces by function identity (and equality), which
-    # would return the arrays a previous trace closed over
-    closed, out_shape = jax.make_jaxpr(lambda r, x: row_fn(r, x), return_shape=True)(row0, in_structure)
+    # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well
+    closed, out_shape = trace(row_fn, row0, in_structure)
     jaxpr = closed.jaxpr
     row_tree = _tu.tree_structure(row0)
     if _stops_gradient_of_x(jaxpr, set(jaxpr.invars[len(_tu.tree_leaves(row0)) :])):
