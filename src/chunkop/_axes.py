@@ -221,22 +221,52 @@ def flat_in_axes(
     return leaves, treedef, axes, paths
 
 
+def _is_symbolic(size: Any) -> bool:
+    """Whether an axis size is symbolic (``jax.export`` shape polymorphism), not an integer."""
+    return not isinstance(size, (int, np.integer))
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    """``a == b`` for sizes that may be symbolic (a comparison JAX cannot decide counts as unequal)."""
+    try:
+        return bool(a == b)
+    except jax.errors.InconclusiveDimensionOperation:
+        return False
+
+
 def mapped_size(
     leaves: Sequence[Any],
     axes: Sequence[int | None],
     paths: Sequence[str],
     axis_size: int | None,
     where: str = "chunkop.vmap",
-) -> int:
-    """The common size of the mapped axis, with an error naming the arguments that disagree."""
-    first: tuple[str, int, int] | None = None
+    *,
+    chunked: bool | None = None,
+) -> Any:
+    """The common size of the mapped axis, with an error naming the arguments that disagree.
+
+    A symbolic size (``jax.export.symbolic_shape``) cannot be split into chunks: a call that
+    chunks (``chunked=True``) gets an error naming the argument and the fix (``chunk_size=None``);
+    one that does not (``chunked=False``: ``chunk_size=None``, exactly ``jax.vmap``) gets the
+    symbolic size back, as ``jax.vmap`` takes it. Not saying (``None``, the default) is refused
+    like a chunked call, with a fix that does not assume the caller can pass ``chunk_size=None``.
+
+    Returns:
+        The size: an ``int``, or a symbolic dimension when ``chunked`` is False.
+    """
+    first: tuple[str, int, Any] | None = None
     for leaf, axis, path in zip(leaves, axes, paths):
         if axis is None:
             continue
-        size = int(np.shape(leaf)[axis])
+        size = np.shape(leaf)[axis]
+        if _is_symbolic(size):
+            if chunked is not False:
+                raise ValueError(_symbolic_message(where, path, axis, size, chunked))
+        else:
+            size = int(size)
         if first is None:
             first = (path, axis, size)
-        elif size != first[2]:
+        elif not _same_size(size, first[2]):
             raise ValueError(
                 f"{where}: mapped arguments have different sizes along the mapped axis: "
                 f"{first[0]} has size {first[2]} along axis {first[1]}, but {path} has size "
@@ -246,12 +276,26 @@ def mapped_size(
         if axis_size is None:
             raise ValueError(f"{where}: no argument is mapped (all in_axes are None), so `axis_size` must be given.")
         return int(axis_size)
-    if axis_size is not None and int(axis_size) != first[2]:
+    if axis_size is not None and not _same_size(int(axis_size), first[2]):
         raise ValueError(
             f"{where}: `axis_size`={axis_size} does not match the mapped size {first[2]} of "
             f"argument {first[0]} along axis {first[1]}."
         )
     return first[2]
+
+
+def _symbolic_message(where: str, path: str, axis: int, size: Any, chunked: bool | None) -> str:
+    fix = (
+        "or use chunk_size=None (exactly jax.vmap, no chunking), which takes a symbolic size"
+        if chunked
+        else "or call the unchunked JAX transform (jax.vmap, jax.lax.map), which takes a symbolic size"
+    )
+    return (
+        f"{where}: argument {path} is mapped along axis {axis}, which has the symbolic size "
+        f"{size} (jax.export shape polymorphism); chunking needs a concrete size to split the axis "
+        f"into chunks (the number of chunks is a static loop length). Export with a concrete size "
+        f"for this axis (symbolic sizes elsewhere are fine), {fix}."
+    )
 
 
 def flat_out_axes(out_axes: Any, out_tree: Any, where: str = "chunkop.vmap") -> list[int | None]:
