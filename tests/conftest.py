@@ -77,7 +77,7 @@ class CompileCounter:
     def __enter__(self):
         import jax.monitoring
 
-        if not getattr(CompileCounter, "_registered", None):
+        if not hasattr(CompileCounter, "_registered"):  # one listener for all counters, registered once
             CompileCounter._registered = []
             jax.monitoring.register_event_duration_secs_listener(
                 lambda event, duration, **kw: [c._listener(event, duration, **kw) for c in CompileCounter._registered]
