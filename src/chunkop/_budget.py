@@ -2,36 +2,44 @@
 
 This module is where the chunked transforms, ``RowOperator`` and :func:`plan` ask for a plan:
 the checks of ``chunk_size``/``memory_budget``/``mode``, what a plan must cover (the transforms
-the arguments are traced under, :func:`plan_mode`, and the enclosing ``jax.vmap``s that multiply
-the memory, :func:`enclosing_batch`), the (cached) plan of a transform's call on the loop it
-traced (:func:`plan_traced`) and the public :func:`plan`. The parts it is built on:
+the arguments are traced under, :func:`plan_mode`, and the enclosing ``jax.vmap``s, which the
+candidate programs are compiled under, :func:`batching`), the one planner :func:`plan_program`
+(``build(chunk)`` gives the programs a call runs at ``chunk``; the planner knows nothing else
+of them), its use by the transforms (:func:`plan_traced`) and the public :func:`plan`. The
+parts it is built on:
 
 - :mod:`chunkop._memory`: what a program needs (compiled temp memory under the transforms a
   plan covers, :data:`MODES`) and what the device has (the default budget, the CPU cap);
 - :mod:`chunkop._search`: the search for the largest chunk within the budget
-  (:func:`choose_chunk`), and the :class:`BudgetPlan` it returns;
-- :mod:`chunkop._estimate`: the compile-free estimate used on CPU under the throughput cap;
+  (:func:`choose_chunk`), the per-chunk overhead floor, and the :class:`BudgetPlan` it returns;
+- :mod:`chunkop._estimate`: the compile-free estimates (an element's bytes, a chunk's fixed
+  work) used on CPU under the throughput cap;
 - :func:`chunkop._cache.cached_plan`: the plans, cached per call signature;
-- :mod:`chunkop._operator.row_plan`: the plan of a ``RowOperator`` built with ``chunk_size="auto"``.
+- :mod:`chunkop._operator.row_plan`: the plan of a ``RowOperator`` built with ``chunk_size="auto"``
+  (its ``mv`` and ``T.mv`` given to :func:`plan_program`).
+
+One upward reference is left: :func:`plan_traced` builds a transform's loop with
+:func:`chunkop._loops.make_loop` when its caller passes no ``loop_at``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from . import _estimate
 from ._axes import check_chunk_size
-from ._cache import cached_plan
+from ._cache import Uncacheable, cached_plan, setting_key
 from ._chunking import make_plan
-from ._loops import make_loop
+from ._loops import make_loop  # (upward: the transforms' build belongs to _transform, see plan_traced)
 from ._memory import MODES, check_mode, default_budget, program_temp_bytes, throughput_cap
 from ._search import BudgetPlan, choose_chunk
+from ._tree import struct_of as _struct
 
 __all__ = [
     "MODES",
@@ -41,7 +49,10 @@ __all__ = [
     "check_chunk_size_or_auto",
     "check_mode",
     "plan_mode",
+    "Batching",
+    "batching",
     "enclosing_batch",
+    "plan_program",
     "plan_traced",
     "plan",
 ]
@@ -118,7 +129,7 @@ def check_chunk_size_or_auto(chunk_size: Any, *, allow_none: bool = True, where:
 
 
 # ----------------------------------------------------------------------------------------------
-# chunk_size="auto" on the chunked transforms (chunkop.vmap / map / sum / mean / jacrev / jacfwd).
+# What a plan must cover: the transforms the arguments are traced under, the enclosing batch.
 
 
 def transform_depth(leaves: Sequence[Any]) -> int:
@@ -141,27 +152,137 @@ def plan_mode(leaves: Sequence[Any]) -> str:
     return "hvp" if transform_depth(leaves) >= 2 else "grad"
 
 
+class Batching(NamedTuple):
+    """The enclosing ``jax.vmap``s a call is traced under, as the planner measures them.
+
+    The planner compiles the candidate programs under the same ``jax.vmap``s (:meth:`wrap`), on
+    the arguments with every batch dimension (:attr:`structs`), so what it measures is the
+    program the call really compiles into: its chunk layout under the batch included.
+
+    Attributes:
+        sizes: the batch size of each enclosing ``jax.vmap``, innermost first.
+        names: their axis names (None where unnamed), so a collective over one still binds.
+        dims: per leaf, its batch dimension at each level (None: not batched there).
+        structs: per leaf, its ``jax.ShapeDtypeStruct`` with every batch dimension.
+        tangent: the batch found only in tangents (``jax.jacfwd``/``hessian`` around the call
+            vmap over tangents, which the planner cannot rebuild): assumed to scale memory.
+    """
+
+    sizes: tuple[int, ...]
+    names: tuple[Any, ...]
+    dims: tuple[tuple[int | None, ...], ...]
+    structs: tuple[Any, ...]
+    tangent: int = 1
+
+    @property
+    def size(self) -> int:
+        """The number of examples the call runs on at once: the product of every batch."""
+        return math.prod(self.sizes) * self.tangent
+
+    @property
+    def measured(self) -> int:
+        """The part of :attr:`size` that the measured programs include (the ``jax.vmap``s)."""
+        return math.prod(self.sizes)
+
+    def key(self) -> tuple:
+        """What a cached plan depends on: the sizes, the dimensions and the batched shapes."""
+        shapes = tuple((tuple(s.shape), str(s.dtype)) for s in self.structs)
+        return (self.sizes, self.dims, shapes, self.tangent)
+
+    def wrap(self, fn: Callable, at: Sequence[int]) -> Callable:
+        """``fn`` of the leaves at positions ``at`` under the enclosing ``jax.vmap``s: a function
+        of those leaves with every batch dimension (:attr:`structs`)."""
+        for level, (size, name) in enumerate(zip(self.sizes, self.names)):
+            fn = jax.vmap(fn, in_axes=tuple(self.dims[i][level] for i in at), axis_size=size, axis_name=name)
+        return fn
+
+
+def _tracer_levels(x: Any) -> tuple[Any, list[tuple[Any, int | None]], list[Any]]:
+    """Peel ``x``'s tracers: its value under every transform, the ``jax.vmap`` levels it is
+    batched at (``(trace, batch_dim)``, innermost first; forward-mode levels are skipped: they
+    do not change shapes) and the ``jax.vmap`` traces found only in its tangents."""
+    levels: list[tuple[Any, int | None]] = []
+    tangent_traces: list[Any] = []
+    for _ in range(64):
+        kind = type(x).__name__
+        if kind == "BatchTracer":
+            bd = x.batch_dim
+            levels.append((x._trace, bd if isinstance(bd, int) else None))
+            x = x.val
+        elif kind in ("JVPTracer", "LinearizeTracer"):
+            t = getattr(x, "tangent", None)
+            for _ in range(64):
+                kind_t = type(t).__name__
+                if kind_t == "BatchTracer":
+                    tangent_traces.append(t._trace)
+                    t = t.val
+                elif kind_t in ("JVPTracer", "LinearizeTracer"):
+                    t = getattr(t, "primal", None)
+                else:
+                    break
+            x = x.primal
+        else:
+            break
+    return x, levels, tangent_traces
+
+
+def _depth(trace: Any) -> int:
+    """How deeply ``trace`` is nested (its chain of parent traces): inner transforms are deeper."""
+    depth = 0
+    while trace is not None and depth < 256:
+        depth += 1
+        trace = getattr(trace, "parent_trace", None)
+    return depth
+
+
+def batching(leaves: Sequence[Any], batch_like: Sequence[int] = ()) -> Batching:
+    """The enclosing ``jax.vmap``s the ``leaves`` are traced under (see :class:`Batching`).
+
+    Args:
+        leaves: the program's arguments (arrays, tracers or ``jax.ShapeDtypeStruct``).
+        batch_like: positions of plain leaves (structures the program is built on, such as a
+            ``RowOperator``'s ``x``) to batch at every level, along a new leading axis: what
+            the call will pass there is not known when planning, and batched is the larger.
+
+    Returns:
+        The :class:`Batching`; ``sizes == ()`` outside any ``jax.vmap``.
+    """
+    peeled = [_tracer_levels(x) for x in leaves]
+    traces: dict[int, Any] = {}
+    for _, levels, _ in peeled:
+        for trace, _ in levels:
+            traces.setdefault(id(trace), trace)
+    order = sorted(traces.values(), key=_depth, reverse=True)  # innermost first
+    sizes = tuple(int(t.axis_data.size) for t in order)
+    names = tuple(None if type(t.axis_data.name) is object else t.axis_data.name for t in order)
+    extra = {id(t): t for _, _, ts in peeled for t in ts if id(t) not in traces}
+    tangent = math.prod(int(t.axis_data.size) for t in extra.values())
+    dims, structs = [], []
+    for i, (base, levels, _) in enumerate(peeled):
+        s = _struct(base)
+        if i in batch_like:
+            dims.append((0,) * len(order))
+            structs.append(jax.ShapeDtypeStruct(sizes[::-1] + tuple(s.shape), s.dtype))
+            continue
+        at = {id(trace): d for trace, d in levels}
+        dims.append(tuple(at.get(id(t)) for t in order))
+        structs.append(s)
+    return Batching(sizes, names, tuple(dims), tuple(structs), tangent)
+
+
 def enclosing_batch(leaves: Sequence[Any]) -> int:
     """The number of examples enclosing ``jax.vmap``s (also ``jacfwd``/``hessian``, which vmap
     over basis vectors) run a call on at once: the product of their batch sizes, 1 outside any.
 
-    One compiled chunk loop under such a vmap holds that many chunks' temporaries at once, so
-    ``"auto"`` plans for ``memory_budget`` divided by it.
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from chunkop._budget import enclosing_batch
+        >>> sizes = []
+        >>> _ = jax.vmap(jax.vmap(lambda x: sizes.append(enclosing_batch([x])) or x))(jnp.ones((8, 4)))
+        >>> sizes
+        [32]
     """
-
-    def batch(x: Any, depth: int) -> int:
-        if depth > 16:
-            return 1
-        kind = type(x).__name__
-        if kind == "BatchTracer":
-            bd = x.batch_dim
-            size = int(x.val.shape[bd]) if isinstance(bd, int) else 1
-            return size * batch(x.val, depth + 1)
-        if kind in ("JVPTracer", "LinearizeTracer"):
-            return max(batch(x.primal, depth + 1), batch(getattr(x, "tangent", None), depth + 1))
-        return 1
-
-    return max([batch(x, 0) for x in leaves], default=1)
+    return batching(leaves).size
 
 
 def unchunked_plan(n: int, memory_budget: int | None, leaves: Sequence[Any]) -> BudgetPlan:
@@ -170,15 +291,108 @@ def unchunked_plan(n: int, memory_budget: int | None, leaves: Sequence[Any]) -> 
     return BudgetPlan(None, n, budget, plan_mode(leaves), None, 0, ())
 
 
-def plan_traced(traced: Any, spec: Any, mapped: list, n: int, *, kind: str, memory_budget: int | None) -> BudgetPlan:
+# ----------------------------------------------------------------------------------------------
+# The planner: one for the chunked transforms and RowOperator.
+
+#: ``build(chunk)``: the programs to plan for at that chunk, each ``(fn, at)``: ``fn`` of the
+#: leaves at positions ``at`` (the temp memory planned for is the worst of them).
+Build = Callable[[int], Sequence[tuple[Callable, Sequence[int]]]]
+
+
+def plan_program(
+    build: Build,
+    leaves: Sequence[Any],
+    n: int,
+    *,
+    memory_budget: int | None,
+    mode: str = "grad",
+    key: Hashable | None = None,
+    element_bytes: int | None = None,
+    fixed_bytes: int | None = None,
+    batch_like: Sequence[int] = (),
+) -> BudgetPlan:
+    """The (cached) ``"auto"`` plan of programs that chunk an axis of ``n``: the one planner.
+
+    The planner knows a program only as ``build(chunk)``: the programs the call would run at
+    ``chunk`` (a transform's loop; a ``RowOperator``'s ``mv`` and ``T.mv``), compiled on the
+    shapes of ``leaves``. Under enclosing ``jax.vmap``s (the leaves are their tracers) it
+    compiles them under the same ``jax.vmap``s (:func:`batching`), so the memory measured is
+    the batched program's, chunk layout included; the budget and the temp memory are reported
+    per example of that batch (``memory_budget`` divided by it, like the measured bytes). On
+    CPU the search aims at the throughput cap (per example too), raised toward the per-chunk
+    overhead floor (:func:`chunkop._search.overhead_floor`) from ``element_bytes`` and
+    ``fixed_bytes``; with the cap far below the budget the chunk comes from those estimates
+    without compiling (:func:`chunkop._search.choose_chunk`).
+
+    Args:
+        build: ``build(chunk) -> [(fn, at), ...]`` (see :data:`Build`).
+        leaves: the arguments (arrays, tracers or ``jax.ShapeDtypeStruct``: shapes only).
+        n: the size of the chunked axis (one device's shard of it when sharded).
+        memory_budget: the budget in bytes, or None for :func:`chunkop._memory.default_budget`.
+        mode: the transforms to plan for (:data:`MODES`).
+        key: what the programs depend on besides the leaves' shapes, ``n``, the budget, mode,
+            cap and backend (e.g. the traced jaxpr's key); None: the plan is not cached.
+        element_bytes: the estimated bytes of one element (:mod:`chunkop._estimate`), or None.
+        fixed_bytes: the estimated fixed work of a chunk (:func:`chunkop._estimate.fixed_bytes`).
+        batch_like: positions of plain leaves batched like the rest under enclosing vmaps.
+
+    Returns:
+        The :class:`BudgetPlan`; its ``chunk`` is None when the whole axis fits.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, chunkop
+        >>> from chunkop._budget import plan_program
+        >>> def build(chunk):  # one program, of leaf 0, whose temp memory grows with the chunk
+        ...     return [(chunkop.sum(lambda r: jnp.sin(jnp.outer(r, r)).sum(), chunk_size=chunk), [0])]
+        >>> x = jax.ShapeDtypeStruct((4096, 64), jnp.float32)
+        >>> p = plan_program(build, [x], 4096, memory_budget=2**20, mode="forward")
+        >>> p.chunk is not None and p.compiled_bytes <= p.budget == 2**20
+        True
+    """
+    batch = batching(leaves, batch_like)
+    total = max(1, batch.size)
+    budget = memory_budget if memory_budget is not None else default_budget()
+    budget = max(1, budget // total)
+    cap = throughput_cap()
+    cap = None if cap is None else max(1, cap // total)
+
+    def measure(fn: Callable, at: Sequence[int]) -> int:
+        if batch.sizes:
+            try:
+                whole = program_temp_bytes(batch.wrap(fn, at), [batch.structs[i] for i in at], mode)
+                return -(-whole // batch.measured)  # per example of the batch, rounded up
+            except Exception:  # noqa: BLE001  (a program JAX cannot batch here: measured per example)
+                pass
+        return program_temp_bytes(fn, [leaves[i] for i in at], mode)
+
+    def compute() -> BudgetPlan:
+        temp = lambda chunk: max(measure(fn, at) for fn, at in build(chunk))
+        return choose_chunk(temp, n, budget, mode=mode, cap=cap, element_bytes=element_bytes, fixed_bytes=fixed_bytes)
+
+    if key is None:
+        return compute()
+    avals = tuple((tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) for x in leaves)
+    full_key = (key, avals, batch.key(), n, budget, mode, cap, jax.default_backend())
+    return cached_plan(full_key, compute)
+
+
+def plan_traced(
+    traced: Any,
+    spec: Any,
+    mapped: list,
+    n: int,
+    *,
+    kind: str,
+    memory_budget: int | None,
+    loop_at: Callable[[int], Callable] | None = None,
+) -> BudgetPlan:
     """The (cached) plan of an ``"auto"`` transform, made on the program the call will run.
 
-    The candidate programs are the chunk loop built from the call's traced ``fun`` (``traced``,
-    a :class:`chunkop._trace.Traced`) at each probed chunk, compiled on the shapes of its
-    constants and mapped inputs (``fun`` is not traced again, and no wrapper is re-entered).
-    The budget is ``memory_budget`` (default: :func:`default_budget`) divided by the batch of
-    enclosing ``jax.vmap``s (:func:`enclosing_batch`). The planner knows the program only as
-    "the loop of this kind at chunk c" (:func:`chunkop._loops.make_loop`).
+    The program at each probed chunk is the chunk loop built from the call's traced ``fun``
+    (``traced``, a :class:`chunkop._trace.Traced`), compiled on the shapes of its constants and
+    mapped inputs (``fun`` is not traced again, and no wrapper is re-entered), by
+    :func:`plan_program`; the per-chunk overhead counted is the cotangents of ``fun``'s float
+    constants (:func:`chunkop._estimate.fixed_bytes`) unless it is planned forward only.
 
     Args:
         traced: ``fun`` traced on one example.
@@ -187,37 +401,44 @@ def plan_traced(traced: Any, spec: Any, mapped: list, n: int, *, kind: str, memo
         n: the size of the mapped axis (one device's shard of it when sharded).
         kind: the loop's kind (``"stack"``, ``"sum"``, ``"mean"``).
         memory_budget: the budget in bytes, or None for :func:`default_budget`.
+        loop_at: ``loop_at(chunk) -> loop``, the call's loop ``(consts, mapped) -> result`` at
+            ``chunk``; None: :func:`chunkop._loops.make_loop` of ``kind`` on ``spec``. (The
+            caller that builds its loops should pass it: the planner then needs no loop module.)
 
     Returns:
         The :class:`BudgetPlan`; its ``chunk`` is None when the whole axis fits.
     """
     leaves = [*traced.consts, *mapped]
-    budget = memory_budget if memory_budget is not None else default_budget()
-    budget = max(1, budget // enclosing_batch(leaves))
     mode = "forward" if traced.derivative_error else plan_mode(leaves)  # (it cannot be differentiated)
     k = len(traced.consts)
     probe_spec = spec._replace(progress=None)
+    if loop_at is None:
+        loop_at = lambda chunk: make_loop(
+            kind, traced.jaxpr, traced.out_shapes, probe_spec._replace(plan=make_plan(n, min(chunk, n)))
+        )
 
-    def temp_bytes(chunk: int) -> int:
-        loop = make_loop(kind, traced.jaxpr, traced.out_shapes, probe_spec._replace(plan=make_plan(n, min(chunk, n))))
-        return program_temp_bytes(lambda *flat: loop(list(flat[:k]), list(flat[k:])), leaves, mode)
+    def build(chunk: int) -> list:
+        loop = loop_at(chunk)
+        return [(lambda *flat: loop(list(flat[:k]), list(flat[k:])), range(len(leaves)))]
 
-    def compute() -> BudgetPlan:
-        estimate = _estimate.element_bytes(traced.jaxpr)
-        return choose_chunk(temp_bytes, n, budget, mode=mode, cap=throughput_cap(), element_bytes=estimate)
-
-    if traced.key is None:
-        return compute()
-    from ._cache import Uncacheable, setting_key
-
-    try:
-        remat = setting_key(spec.remat)
-    except Uncacheable:
-        return compute()
-    avals = tuple((tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) for x in leaves)
-    key = ("auto", kind, traced.key, avals, spec.axes, spec.out_axes, n, budget, mode, remat)
-    key += (spec.spmd_axis_name, jax.default_backend())
-    return cached_plan(key, compute)
+    key = None
+    if traced.key is not None:
+        try:
+            key = ("auto", kind, traced.key, spec.axes, spec.out_axes, setting_key(spec.remat), spec.spmd_axis_name)
+        except Uncacheable:
+            key = None
+    jaxpr = traced.jaxpr
+    consts = jaxpr.constvars if mode != "forward" else []  # (their cotangents, summed per chunk)
+    return plan_program(
+        build,
+        leaves,
+        n,
+        memory_budget=memory_budget,
+        mode=mode,
+        key=key,
+        element_bytes=_estimate.element_bytes(jaxpr),
+        fixed_bytes=_estimate.fixed_bytes(jaxpr, operands=consts),
+    )
 
 
 # ----------------------------------------------------------------------------------------------

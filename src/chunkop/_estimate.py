@@ -13,17 +13,24 @@ compile at all.
 The estimate errs high for fused elementwise chains (XLA keeps few of them alive at once) and is
 compared with compiled temp memory in ``tests/test_budget.py``. A jaxpr with a ``while`` loop
 (unknown trip count) has no estimate: the plan is then measured as usual.
+
+The same walk gives the other side of a chunk's cost, :func:`fixed_bytes`: the work every chunk
+does whatever its size (a buffer the size of an unmapped operand for each use after the first:
+the cotangents of a constant under ``jax.grad``, the ``x`` space a ``RowOperator``'s transpose
+scatters into; and the values computed from the constants alone). :func:`chunkop._search.overhead_floor` turns the
+two into the smallest chunk that amortises it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _jaxpr
 
-__all__ = ["MARGIN", "element_bytes"]
+__all__ = ["MARGIN", "element_bytes", "fixed_bytes"]
 
 #: The estimate is used only when the memory budget is at least this many times the CPU cap:
 #: an estimate off by less than this factor still fits the budget.
@@ -31,11 +38,21 @@ MARGIN = 64
 
 
 def _bytes(aval: Any) -> int:
+    """The bytes of a value of ``aval`` (0 for abstract values without an array shape)."""
     shape = getattr(aval, "shape", None)
     dtype = getattr(aval, "dtype", None)
-    if shape is None or dtype is None:
+    itemsize = getattr(dtype, "itemsize", None)  # (also of PRNG key dtypes, which NumPy cannot read)
+    if shape is None or not isinstance(itemsize, int) or dtype is object or str(dtype) == "object":
         return 0
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize if np.dtype(dtype) != object else 0
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
+
+
+def _inexact(aval: Any) -> bool:
+    """Whether ``aval`` has a float or complex dtype (not an integer, boolean or PRNG key one)."""
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return bool(np.issubdtype(np.dtype(dtype), np.inexact))
 
 
 def _jaxpr_bytes(jaxpr: Any, mapped: set) -> int | None:
@@ -75,3 +92,64 @@ def element_bytes(jaxpr: Any, n_inputs: int | None = None) -> int | None:
     if inner is None:
         return None
     return inner + sum(_bytes(v.aval) for v in inputs)
+
+
+def _uses(jaxpr: Any, watched: set, mapped: set) -> int:
+    """How many equations of ``jaxpr`` (and its sub-jaxprs, input by input) read a variable in
+    ``watched`` together with a value that depends on ``mapped``: per-element uses."""
+    count = 0
+    for eqn, subs in _jaxpr.dependent_eqns(jaxpr, mapped):
+        reads = [not isinstance(v, _jaxpr.Literal) and v in watched for v in eqn.invars]
+        if not any(reads):
+            continue
+        lined_up = [(sub, inputs) for sub, inputs in subs if len(sub.invars) == len(eqn.invars)]
+        if not lined_up:
+            count += 1
+            continue
+        for sub, inputs in lined_up:
+            inner = {w for w, r in zip(sub.invars, reads) if r}
+            count += max(1, _uses(sub, inner, inputs))
+    return count
+
+
+def _independent_bytes(jaxpr: Any, mapped: set) -> int:
+    """Bytes of the values ``jaxpr`` computes without reading ``mapped``: once per chunk."""
+    depends = set(mapped)
+    for eqn, _ in _jaxpr.dependent_eqns(jaxpr, mapped):
+        depends.update(eqn.outvars)
+    return sum(_bytes(v.aval) for eqn in jaxpr.eqns for v in eqn.outvars if v not in depends)
+
+
+def fixed_bytes(jaxpr: Any, n_inputs: int | None = None, *, operands: Any = ()) -> int:
+    """The estimated bytes of work every chunk does whatever its size (the per-chunk overhead).
+
+    Two parts. Each variable in ``operands`` (unmapped arrays: constants, or a ``RowOperator``'s
+    ``x``), counted once per per-element equation that reads it *after the first*: under a
+    derivative or a transpose each use makes a cotangent of the operand's size per chunk, and
+    all but one of them are separate buffers summed into the loop's carry (the first updates it
+    in place: measured on XLA:CPU, a ``RowOperator`` whose row reads ``x`` once scatters each
+    chunk into the carry; one that reads it at the four corners of a bilinear interpolation
+    fills three more images per chunk and adds them). And the values computed without the first
+    ``n_inputs`` inputs (the mapped ones), which every chunk recomputes.
+
+    Args:
+        jaxpr: ``fun`` (or ``row_fn``) traced on one example.
+        n_inputs: how many leading ``invars`` are mapped (default: all).
+        operands: the unmapped variables (``constvars`` or trailing ``invars``) to count per use;
+            only those of a float or complex dtype count (others have no cotangent).
+
+    Returns:
+        The estimated bytes (0 when nothing is fixed).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from chunkop._estimate import fixed_bytes
+        >>> f = lambda x, w: jnp.tanh(w @ x) + jnp.tanh(x @ w)  # w (16 KiB), read twice
+        >>> closed = jax.make_jaxpr(f)(jnp.zeros(64), jnp.zeros((64, 64)))
+        >>> fixed_bytes(closed.jaxpr, 1, operands=closed.jaxpr.invars[1:])
+        16384
+    """
+    mapped = set(jaxpr.invars[:n_inputs])
+    watched = {v for v in operands if not isinstance(v, _jaxpr.Literal) and _inexact(v.aval)}
+    per_use = sum(_bytes(v.aval) * max(0, _uses(jaxpr, {v}, mapped) - 1) for v in watched)
+    return per_use + _independent_bytes(jaxpr, mapped)

@@ -21,6 +21,18 @@ is the only bound that binds, and a speed heuristic: the chunk then comes from a
 estimate of one element's bytes (:mod:`chunkop._estimate`), without measuring anything
 (``plan.compiled_bytes`` is None).
 
+**The per-chunk overhead floor** (where the cap binds, i.e. on CPU below a larger budget). Every
+loop step costs work that does not shrink with the chunk: the step itself (slicing, the fusion
+barrier, a few kernel launches: :data:`STEP_BYTES` of work) and a buffer the size of each
+unmapped operand per use after the first (:func:`chunkop._estimate.fixed_bytes`: the cotangents
+of a weight matrix under ``jax.grad``, the images a ``RowOperator``'s transpose scatters into). A chunk whose
+estimated bytes are less than :data:`OVERHEAD_RATIO` times that fixed work spends a tenth or
+more of its time on overhead (a CT projector's transpose at chunk 24 of 92160 rays ran 1.6x
+slower than at 256-4096). So the chunk is at least :func:`overhead_floor` elements, even where
+one element is so large that the cap alone would allow fewer: the soft cap is then exceeded, up
+to :data:`OVER_CAP` times it (by the estimate, which errs high), never past a caller's budget.
+The floor is reported as ``plan.floor``.
+
 The result is a :class:`BudgetPlan`: the chunk and the measurements behind it.
 """
 
@@ -34,10 +46,23 @@ from typing import NamedTuple
 from . import _estimate
 from ._chunking import divisors, make_plan
 
-__all__ = ["BudgetPlan", "choose_chunk"]
+__all__ = ["BudgetPlan", "choose_chunk", "overhead_floor", "OVERHEAD_RATIO", "STEP_BYTES", "OVER_CAP"]
 
 
 _MAX_VERIFY = 6  # compiles after the two probes before falling back to halving
+
+#: A chunk's estimated bytes should be at least this many times the work every chunk does
+#: whatever its size (:func:`overhead_floor`): the overhead is then a small share of a step.
+OVERHEAD_RATIO = 16
+#: The fixed work of one loop step (the scan step, the chunk's slices and fusion barrier, the
+#: launches of the body's kernels), in bytes of estimated work: about 60 us per step on CPU
+#: (a RowOperator HVP ran 14.5 ms in 64 steps, 10.9 ms in 4), and the LOS and CT operators
+#: processed their estimated bytes at about 16 GB/s (LOS ``T.mv``: 131072 rows of 8.8 KiB in
+#: 62 ms; CT: 92160 rays of 610 KiB in 3.5 s), so one step is worth about 1 MiB of them.
+STEP_BYTES = 2**20
+#: How far past the CPU throughput cap the overhead floor may push a chunk (by the estimate of
+#: its memory, or by its measured memory): the cap is a speed heuristic, the budget is not.
+OVER_CAP = 16
 
 
 class BudgetPlan(NamedTuple):
@@ -60,6 +85,10 @@ class BudgetPlan(NamedTuple):
         shards: the number of devices the axis is sharded over (1: not sharded); each device
             chunks its own ``size`` elements. ``global_size`` is the whole axis,
             ``size * shards``.
+        floor: the per-chunk overhead floor (:func:`overhead_floor`) the search took into
+            account, or None where it had no estimate of an element's bytes. Where the cap
+            binds, the chunk is at least this (up to ``OVER_CAP`` times the cap, within the
+            budget), even when that exceeds the cap.
 
     Example:
         >>> import jax.numpy as jnp, chunkop
@@ -83,6 +112,7 @@ class BudgetPlan(NamedTuple):
     probes: tuple
     cap: int | None = None
     shards: int = 1
+    floor: int | None = None
 
     @property
     def global_size(self) -> int:
@@ -95,7 +125,9 @@ class BudgetPlan(NamedTuple):
         return (
             f"BudgetPlan(chunk={self.chunk}, {size}, budget={mib(self.budget)}, "
             f"mode={self.mode!r}, cap={mib(self.cap)}, predicted={mib(self.predicted_bytes)}, "
-            f"compiled={mib(self.compiled_bytes)}, probes={len(self.probes)})"
+            f"compiled={mib(self.compiled_bytes)}, probes={len(self.probes)}"
+            + ("" if self.floor is None else f", floor={self.floor}")
+            + ")"
         )
 
 
@@ -107,6 +139,8 @@ def choose_chunk(
     mode: str = "grad",
     cap: int | None = None,
     element_bytes: int | None = None,
+    fixed_bytes: int | None = None,
+    batch: int = 1,
 ) -> BudgetPlan:
     """The largest chunk of an axis of ``n`` whose compiled temp memory is within ``budget``.
 
@@ -126,6 +160,14 @@ def choose_chunk(
             least ``_estimate.MARGIN`` times below ``budget`` (CPU with the default budget), the
             chunk is ``cap // element_bytes`` (no chunking when that reaches half the axis) and
             nothing is compiled: the plan's ``compiled_bytes`` is None.
+        fixed_bytes: the estimated work every chunk does whatever its size
+            (:func:`chunkop._estimate.fixed_bytes`), or None for none but the loop step's. With
+            ``element_bytes``, it sets the overhead floor (:func:`overhead_floor`) that a chunk
+            bound by the cap is raised to, past the cap up to ``OVER_CAP`` times it.
+        batch: how many elements one chunk element stands for in memory (the examples of
+            enclosing ``jax.vmap``s when ``temp_bytes`` measures the batched program): scales
+            ``element_bytes`` for the memory estimate, not for the floor (which compares per
+            example work with per example overhead).
 
     Returns:
         A :class:`BudgetPlan`; ``plan.chunk`` is None when the whole axis fits.
@@ -141,9 +183,10 @@ def choose_chunk(
     """
     if n <= 0:
         raise ValueError(f"choose_chunk: the axis size must be positive, got {n}.")
-    search = _Search(temp_bytes, n, budget, budget if cap is None else min(budget, cap), mode, cap)
+    floor = None if element_bytes is None else min(n, overhead_floor(element_bytes, fixed_bytes))
+    search = _Search(temp_bytes, n, budget, budget if cap is None else min(budget, cap), mode, cap, floor)
     if element_bytes is not None and cap is not None and cap * _estimate.MARGIN <= budget:
-        return _from_estimate(search, element_bytes)
+        return _from_estimate(search, element_bytes * max(1, batch))
     whole = _whole_axis(search)
     if whole is not None:
         return whole
@@ -155,7 +198,81 @@ def choose_chunk(
             break
     inside = search.inside()
     c, b = inside[-1] if inside else _halving_fallback(search)
+    c, b = _raised_to_floor(search, c, b, predictions)
     return search.result(c, predictions.get(c), b)
+
+
+def overhead_floor(element_bytes: int, fixed_bytes: int | None = None) -> int:
+    """The smallest chunk whose work amortises the per-chunk overhead (see the module notes).
+
+    ``ceil(OVERHEAD_RATIO * (fixed_bytes + STEP_BYTES) / element_bytes)``: a chunk's estimated
+    bytes are then at least :data:`OVERHEAD_RATIO` times the work every step does whatever its
+    size (one loop step, :data:`STEP_BYTES`, and ``fixed_bytes``).
+
+    Args:
+        element_bytes: the estimated bytes of one element (:func:`chunkop._estimate.element_bytes`).
+        fixed_bytes: the estimated fixed work of a chunk (:func:`chunkop._estimate.fixed_bytes`),
+            or None for none besides the step.
+
+    Returns:
+        The floor, at least 1.
+
+    Example:
+        >>> from chunkop._search import overhead_floor
+        >>> overhead_floor(1024)  # 1 KiB elements: 16 MiB of work per step
+        16384
+        >>> overhead_floor(600 * 1024, fixed_bytes=12 * 2**20)  # a CT ray, three 4 MiB images per step
+        355
+    """
+    fixed = STEP_BYTES + max(0, fixed_bytes or 0)
+    return max(1, -(-OVERHEAD_RATIO * fixed // max(1, int(element_bytes))))
+
+
+def _raised_to_floor(search: _Search, c: int, b: int, predictions: dict[int, int]) -> tuple[int, int]:
+    """The measured chunk ``c`` (``b`` bytes), raised toward the overhead floor where the cap bound it.
+
+    Only where the search aimed at the throughput cap (below the caller's budget) and ``c`` is
+    below ``search.floor``: one more chunk is compiled, the floor (a divisor of ``n`` at or just
+    above it when there is one) or, when the line through the two largest measured chunks
+    predicts more, the largest chunk predicted within ``min(budget, OVER_CAP * cap)``; it is
+    taken if its measured memory is within that bound.
+
+    Returns:
+        ``(chunk, bytes)``: the raised chunk, or ``(c, b)`` unchanged.
+    """
+    floor, n = search.floor, search.n
+    if floor is None or c >= floor or search.budget >= search.user_budget:
+        return c, b
+    bound = min(search.user_budget, OVER_CAP * search.budget)
+    target = min(_at_least(n, floor, floor + floor // 2), max(1, n // 2))
+    line = sorted((k, v) for k, v in search.measured.items() if k < n)[-2:]
+    slope = (line[1][1] - line[0][1]) / (line[1][0] - line[0][0]) if len(line) == 2 else 0.0
+    if slope > 0:
+        target = min(target, math.floor(line[1][0] + (bound - line[1][1]) / slope))
+    chunk = search.effective(max(1, target))
+    if chunk <= c or chunk in search.measured:
+        return c, b
+    if slope > 0:
+        predictions[chunk] = round(line[1][1] + slope * (chunk - line[1][0]))
+    bt = search.measure(chunk)
+    return (chunk, bt) if bt <= bound else (c, b)
+
+
+def _at_least(n: int, low: int, limit: int) -> int:
+    """A chunk of at least ``low`` as the chunk plan runs it: the smallest divisor of ``n`` in
+    ``[low, limit]`` (no remainder chunk), else the smallest chunk from ``low`` up that
+    :func:`chunkop._chunking.make_plan` does not even out below ``low``, at most ``limit``
+    (where it may then run a little below ``low``)."""
+    even = [d for d in divisors(n) if low <= d <= limit]
+    if even:
+        return min(even)
+    c = low
+    for _ in range(8):
+        ran = make_plan(n, c).chunk if c < n else c
+        if ran >= low or c >= limit:
+            return min(c, max(low, limit))
+        c = ran * 4 // 3 + 1  # (make_plan evens out to a divisor of at least 3/4 of the chunk)
+    return min(c, max(low, limit))
 
 
 @dataclasses.dataclass
@@ -169,6 +286,7 @@ class _Search:
         budget: what the search aims at: ``min(user_budget, cap)``.
         mode: recorded in the plan.
         cap: the throughput cap, or None.
+        floor: the per-chunk overhead floor (:func:`overhead_floor`), or None.
         measured: ``{chunk: temp_bytes}`` in the order measured, keyed by the chunk the loop
             really runs (the plan's probes).
     """
@@ -179,6 +297,7 @@ class _Search:
     budget: int
     mode: str
     cap: int | None
+    floor: int | None = None
     measured: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
@@ -213,27 +332,48 @@ class _Search:
         """The plan of chunk ``c`` (None: unchunked), with what was predicted and measured there."""
         c = None if c is None else self.effective(c)
         probes = tuple(self.measured.items())
-        return BudgetPlan(c, self.n, int(self.user_budget), self.mode, predicted, compiled, probes, self.cap)
+        plan = BudgetPlan(c, self.n, int(self.user_budget), self.mode, predicted, compiled, probes, self.cap)
+        return plan._replace(floor=self.floor)
 
 
 def _from_estimate(search: _Search, element_bytes: int) -> BudgetPlan:
     """The compile-free plan: ``cap // element_bytes`` elements per chunk, nothing measured.
 
+    When that is below the overhead floor (``search.floor``), the chunk is the floor instead,
+    as long as its estimated bytes stay within ``OVER_CAP`` times the cap (else the largest
+    chunk that does): the estimate errs high and the budget is at least ``_estimate.MARGIN``
+    times the cap here, so the raised chunk still fits the budget.
+
     Args:
         search: the search (its ``budget`` is the cap).
-        element_bytes: the estimated bytes of one element.
+        element_bytes: the estimated bytes of one element (times an enclosing batch).
 
     Returns:
         The plan: unchunked when the chunk reaches half the axis (which would save nothing);
         otherwise a divisor of ``n`` within 2x below the target if there is one (no remainder
-        chunk, whose body is a second compile), else a chunk with a small remainder.
+        chunk, whose body is a second compile), else a chunk with a small remainder; a chunk
+        raised to the floor is the smallest divisor of ``n`` up to 1.5x above it, else the floor.
     """
     n = search.n
-    target = search.budget // max(1, element_bytes)
+    element_bytes = max(1, element_bytes)
+    target = search.budget // element_bytes
+    floor = search.floor or 1
+    if target < floor:  # the overhead floor, past the cap (bounded)
+        limit = max(1, OVER_CAP * search.budget // element_bytes)
+        target = min(floor, limit)
+        if target >= max(1, n // 2):
+            return search.result(None, element_bytes * n, None)
+        c = search.effective(_at_least(n, target, min(limit, target + target // 2)))
+        return search.result(c, element_bytes * c, None)
     if target >= max(1, n // 2):
         return search.result(None, element_bytes * n, None)
-    even = [d for d in divisors(n) if target // 2 <= d <= target]
-    c = search.effective(max(even) if even else _candidate(n, max(1, target), 0))
+    even = [d for d in divisors(n) if max(target // 2, floor) <= d <= target]
+    if even:
+        c = max(even)
+    else:  # (no divisor between the floor and the cap: the smallest above the floor, within the bound)
+        limit = max(1, OVER_CAP * search.budget // element_bytes)
+        c = _at_least(n, max(floor, _candidate(n, max(1, target), 0)), min(limit, floor + floor // 2))
+    c = search.effective(c)
     return search.result(c, element_bytes * c, None)
 
 
@@ -331,8 +471,10 @@ def _halving_fallback(search: _Search) -> tuple[int, int]:
     """The chunk to take when every bracketing step was over the budget.
 
     Halves from the smallest chunk measured until one fits, or until smaller chunks stop saving
-    memory (per-step costs); failing that, the least-memory chunk found, if it is within the
-    caller's budget (over the throughput cap only).
+    memory (per-step costs) or cannot save enough (what halving saves halves each time: from
+    ``b`` after saving ``previous - b``, nothing reaches below ``2 b - previous``); then tries
+    the other way of reading chunks (:func:`_other_layout`); failing that, the least-memory
+    chunk found, if it is within the caller's budget (over the throughput cap only).
 
     Args:
         search: the search.
@@ -350,12 +492,60 @@ def _halving_fallback(search: _Search) -> tuple[int, int]:
         b = search.measure(c)
         if b <= search.budget:
             return c, b
-        if b >= previous:  # smaller chunks stopped saving memory
+        if b >= previous or 2 * b - previous > search.budget:
             break
+    other = _other_layout(search)
+    if other is not None:
+        return other
     least = min(search.measured.items(), key=lambda kv: kv[1])
     if least[1] <= search.user_budget and least[0] < search.n:  # over the cap only
         return least
     raise _too_small(search.user_budget, search.n, least, search.mode)
+
+
+def _with_remainder(n: int, c: int) -> int | None:
+    """The largest chunk in ``(c - 64, c]`` that leaves a remainder of ``n`` (and that the chunk
+    plan keeps as it is), or None."""
+    for k in range(min(c, n - 1), max(1, c - 64), -1):
+        if n % k and make_plan(n, k).chunk == k:
+            return k
+    return None
+
+
+def _other_layout(search: _Search) -> tuple[int, int] | None:
+    """A chunk within the budget among those that leave a remainder, when every chunk measured divides ``n``.
+
+    A chunk that divides the axis is read through a reshape of the inputs, one that does not
+    through slices inside the loop body (:mod:`chunkop._chunking`); the two can differ by a copy
+    of the inputs (measured: under an enclosing ``jax.vmap`` of 8, a reshape of the batched
+    input cost 16 MiB at every chunk dividing 4096, slices 1-6 MiB). So when every chunk
+    tried divides ``n`` and none fits, chunks with a remainder are tried: from the first
+    probe down by halves (at most four compiles) and, from one that fits, one step up along the
+    probes' slope.
+
+    Returns:
+        ``(chunk, temp_bytes)`` within ``search.budget``, or None.
+    """
+    n, budget = search.n, search.budget
+    if any(n % c for c in search.measured if c < n):
+        return None  # (chunks with a remainder were measured: the search saw that layout)
+    c1, c2 = (search.effective(c) for c in search.probe_chunks())
+    b1, b2 = search.measured.get(c1), search.measured.get(c2)
+    slope = (b2 - b1) / (c2 - c1) if b1 is not None and b2 is not None and c2 > c1 else 0.0
+    c = _with_remainder(n, c1)
+    for _ in range(4):
+        if c is None or c in search.measured:
+            return None
+        b = search.measure(c)
+        if b <= budget:
+            up = _with_remainder(n, min(n // 2, math.floor(c + (budget - b) / slope))) if slope > 0 else None
+            if up is not None and up > c and up not in search.measured:
+                bu = search.measure(up)
+                if bu <= budget:
+                    return up, bu
+            return c, b
+        c = _with_remainder(n, c // 2)
+    return None
 
 
 def _candidate(n: int, target: int, low: int) -> int:

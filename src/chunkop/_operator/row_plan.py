@@ -16,15 +16,54 @@ from typing import Any
 import jax
 
 from .. import _estimate
-from .._budget import check_memory_budget
-from .._cache import cached_plan
-from .._memory import default_budget, program_temp_bytes, throughput_cap
-from .._search import BudgetPlan, choose_chunk
+from .._budget import check_memory_budget, plan_program
+from .._memory import program_temp_bytes
+from .._search import BudgetPlan
 from .._tree import struct_of as _struct
 from . import kernels
 from .row_sharding import row_mesh
 
 __all__ = ["rows_temp_bytes", "plan_rows"]
+
+
+def _row_programs(row_fn: Callable, rows: Any, in_structure: Any, chunk: int, k: int) -> list:
+    """``mv`` and ``T.mv`` at ``chunk`` rows per chunk, as the planner takes them: ``(fn, at)``
+    over the leaves ``[*consts, *rows, *x, *y]`` (``k`` constants)."""
+    row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
+    row_structs = [_struct(x) for x in row_leaves]
+    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
+    spec, consts = kernels.make_spec(row_fn, jax.tree_util.tree_unflatten(row_tree, row_structs), in_structure, chunk)
+    r, nx = len(row_structs), len(x_leaves)
+    if len(consts) != k:  # (row_fn closed over different arrays on another trace)
+        raise ValueError(f"RowOperator: row_fn closed over {len(consts)} arrays on this trace, {k} before.")
+
+    def mv(*flat: Any) -> Any:
+        rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+        return kernels.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
+
+    y_leaves = jax.tree_util.tree_leaves(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
+    y_tree = jax.tree_util.tree_structure(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
+
+    def tmv(*flat: Any) -> Any:
+        rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
+        return kernels.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
+
+    common = list(range(k + r))
+    return [
+        (mv, common + list(range(k + r, k + r + nx))),
+        (tmv, common + list(range(k + r + nx, k + r + nx + len(y_leaves)))),
+    ]
+
+
+def _row_leaves(row_fn: Callable, rows: Any, in_structure: Any) -> tuple[list, int, int, Any]:
+    """The leaves the operator's programs take, ``[*consts, *rows, *x, *y]``; the number of
+    constants and of row leaves; and ``row_fn`` traced on one row (its spec)."""
+    row_leaves = jax.tree_util.tree_leaves(rows)
+    x_leaves = jax.tree_util.tree_leaves(in_structure)
+    spec, consts = kernels.make_spec(row_fn, rows, in_structure, 1)
+    n = int(row_leaves[0].shape[0])
+    y_leaves = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in spec.out_leaves]
+    return [*consts, *row_leaves, *x_leaves, *y_leaves], len(consts), len(row_leaves), spec
 
 
 def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) -> int:
@@ -42,34 +81,22 @@ def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) 
     Returns:
         The largest temp size in bytes among the four compiled programs.
     """
-    row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
-    row_structs = [_struct(x) for x in row_leaves]
-    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
-    spec, consts = kernels.make_spec(row_fn, jax.tree_util.tree_unflatten(row_tree, row_structs), in_structure, chunk)
-    k, r = len(consts), len(row_structs)
-
-    def mv(*flat: Any) -> Any:
-        rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
-        return kernels.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
-
-    y_leaves, y_tree = jax.tree_util.tree_flatten(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
-
-    def tmv(*flat: Any) -> Any:
-        rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
-        return kernels.apply_transpose(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(y_tree, flat[k + r :]))
-
-    return max(
-        program_temp_bytes(mv, [*consts, *row_structs, *x_leaves], "grad"),
-        program_temp_bytes(tmv, [*consts, *row_structs, *y_leaves], "grad"),
-    )
+    leaves, k, _, _ = _row_leaves(row_fn, rows, in_structure)
+    programs = _row_programs(row_fn, rows, in_structure, chunk, k)
+    return max(program_temp_bytes(fn, [leaves[i] for i in at], "grad") for fn, at in programs)
 
 
 def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int | None) -> BudgetPlan:
     """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
 
     Plans for :func:`rows_temp_bytes` (the worst of ``mv``, ``T.mv`` and their VJPs), compiled
-    at each candidate chunk. With rows sharded over devices, the chunk is planned for one
-    device's shard.
+    at each candidate chunk, with the planner of the chunked transforms
+    (:func:`chunkop._budget.plan_program`): built under an enclosing ``jax.vmap`` (rows that are
+    its tracers: an operator per set of rows), the programs are measured under it, ``x`` and
+    ``y`` taken as batched too. With rows sharded over devices, the chunk is planned for one
+    device's shard. The per-chunk overhead counted against small chunks on CPU is the ``x``
+    space (each use of ``x`` in ``row_fn`` makes a buffer of its size per chunk of ``T.mv``) and
+    the closed-over float arrays (:func:`chunkop._estimate.fixed_bytes`).
 
     Args:
         row_fn: the per-row function ``row_fn(row, x)``.
@@ -81,27 +108,30 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
         The (cached) :class:`chunkop.BudgetPlan`; ``size`` and ``shards`` per device.
     """
     budget = check_memory_budget(memory_budget, "RowOperator")
-    budget = budget if budget is not None else default_budget()
     row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
-    n = int(row_leaves[0].shape[0])
+    n = int(jax.typeof(row_leaves[0]).shape[0])
     mesh_axes = row_mesh(rows)
     shards = 1
     if mesh_axes is not None and n % mesh_axes.n_shards == 0:
         shards = mesh_axes.n_shards
         n //= shards
-    row_structs = [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
-    local_rows = jax.tree_util.tree_unflatten(row_tree, row_structs)
-    cap = throughput_cap()
-
-    # the same row_fn (by its traced jaxpr), row and x shapes, budget and device kind: the same plan
-    spec, _ = kernels.make_spec(row_fn, local_rows, in_structure, 1)
-
-    def compute() -> BudgetPlan:
-        temp = lambda chunk: rows_temp_bytes(row_fn, local_rows, in_structure, chunk)
-        estimate = _estimate.element_bytes(spec.jaxpr, n_inputs=len(row_leaves))
-        return choose_chunk(temp, n, budget, mode="grad", cap=cap, element_bytes=estimate)._replace(shards=shards)
-
-    if spec.key is None:
-        return compute()
-    shapes = tuple((s.shape, str(s.dtype)) for s in row_structs)
-    return cached_plan(("rows", spec.key, shapes, shards, budget, cap, jax.default_backend()), compute)
+    if shards > 1:  # one device's shard: plain shapes (sharded rows are not traced under a vmap here)
+        rows = jax.tree_util.tree_unflatten(
+            row_tree, [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
+        )
+    leaves, k, r, spec = _row_leaves(row_fn, rows, in_structure)
+    jaxpr = spec.jaxpr
+    x_vars = jaxpr.invars[r:]
+    key = None if spec.key is None else ("rows", spec.key, shards)
+    plan = plan_program(
+        lambda chunk: _row_programs(row_fn, rows, in_structure, chunk, k),
+        leaves,
+        n,
+        memory_budget=budget,
+        mode="grad",
+        key=key,
+        element_bytes=_estimate.element_bytes(jaxpr, n_inputs=r),
+        fixed_bytes=_estimate.fixed_bytes(jaxpr, r, operands=[*jaxpr.constvars, *x_vars]),
+        batch_like=range(k + r, len(leaves)),
+    )
+    return plan._replace(shards=shards) if shards > 1 else plan  # (the cached plan itself)
