@@ -26,6 +26,7 @@ RECIPES = [
     "SciPy solvers in float64",
     "Solves inside `jax.grad`",
     "Implicit or dense?",
+    "Tomography: rays through a grid",
 ]
 
 
@@ -58,6 +59,7 @@ def test_cookbook_blocks_run_in_order(capsys):
     lx = pytest.importorskip("lineax")
     assert namespace["solution"].result == lx.RESULTS.successful
     assert namespace["istop"] in (1, 2)
+    assert namespace["missed"].any() and namespace["error_centred"] < namespace["error_far"]
     with capsys.disabled():
         per_block = ", ".join(f"l.{n} {t:.1f}s" for n, t in timings)
         print(f"\ncookbook: {len(timings)} blocks in {sum(t for _, t in timings):.1f} s: {per_block}")
