@@ -13,13 +13,13 @@ from typing import Any
 
 from ._chunking import Remat
 from ._progress import Progress
-from ._transform import chunked
+from ._transform import Chunked
 
 __all__ = ["sum", "mean"]
 
 
 def _make(kind: str, fun: Callable, in_axes: Any, **kw: Any) -> Callable:
-    return chunked(fun, in_axes, kind=kind, where=f"chunkop.{kind}", **kw)
+    return Chunked(fun, in_axes, kind=kind, where=f"chunkop.{kind}", **kw)
 
 
 def sum(  # noqa: A001

@@ -20,6 +20,7 @@ cached under the trace's by-value key (:func:`_sharded_program`), its constants 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -45,11 +46,24 @@ from ._progress import Progress, check_progress
 from ._trace import Traced, trace_example
 from ._tree import has_shape
 
-__all__ = ["Chunked", "chunked"]
+__all__ = ["BoundChunked", "Chunked"]
+
+#: The plan of each transform's last ``chunk_size="auto"`` call (read by ``Chunked.last_plan``):
+#: kept beside the transforms, which are immutable, and dropped with them.
+_LAST_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+_WRAPPED = ("__module__", "__name__", "__qualname__", "__doc__")
 
 
 class Chunked:
     """``fun`` mapped over an axis in chunks; ``kind`` says how the chunk outputs combine.
+
+    Immutable once made; a descriptor like a function, so a transform defined in a class body
+    (``@functools.partial(chunkop.vmap, in_axes=(None, 0))`` on a method) binds the instance as
+    its first argument, as ``jax.vmap`` does (:class:`BoundChunked`). ``fun``'s name, docstring
+    and module are copied (``__wrapped__`` is ``fun``), not its ``__dict__``: the transform's
+    attributes (``fun``, ``in_axes`` ...) would otherwise be overwritten by those of a wrapped
+    transform or of any callable object with attributes.
 
     Attributes:
         kind: ``"stack"`` (``jax.vmap``'s outputs), ``"sum"`` or ``"mean"`` over the mapped axis.
@@ -78,18 +92,51 @@ class Chunked:
             raise ValueError(f"chunkop: `kind` must be one of {KINDS}, got {kind!r}.")
         if not callable(fun):
             raise TypeError(f"{where}: `fun` must be callable, got {fun!r}.")
-        self.fun, self.kind, self.where, self.arg_names = fun, kind, where, arg_names
-        self.in_axes = check_in_axes_spec(in_axes, where)
-        self.out_axes = check_out_axes_spec(out_axes, where) if kind == "stack" else 0
-        self.chunk_size = _budget.check_chunk_size_or_auto(chunk_size, where=where)
-        self.memory_budget = _budget.check_memory_budget(memory_budget, where)
-        _budget.check_budget_needs_auto(self.chunk_size, self.memory_budget, where)
-        self.last_plan: _budget.BudgetPlan | None = None
-        self.axis_name = axis_name
-        self.axis_size = check_axis_size(axis_size, where)
-        self.spmd_axis_name = spmd_axis_name
-        self.remat = check_remat(remat, where)
-        self.progress = check_progress(progress, where)
+        chunk_size = _budget.check_chunk_size_or_auto(chunk_size, where=where)
+        memory_budget = _budget.check_memory_budget(memory_budget, where)
+        _budget.check_budget_needs_auto(chunk_size, memory_budget, where)
+        settings = {
+            "fun": fun,
+            "kind": kind,
+            "where": where,
+            "arg_names": arg_names,
+            "in_axes": check_in_axes_spec(in_axes, where),
+            "out_axes": check_out_axes_spec(out_axes, where) if kind == "stack" else 0,
+            "chunk_size": chunk_size,
+            "memory_budget": memory_budget,
+            "axis_name": axis_name,
+            "axis_size": check_axis_size(axis_size, where),
+            "spmd_axis_name": spmd_axis_name,
+            "remat": check_remat(remat, where),
+            "progress": check_progress(progress, where),
+        }
+        settings.update({name: getattr(fun, name) for name in _WRAPPED if hasattr(fun, name)})
+        settings["__wrapped__"] = fun
+        for name, value in settings.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"{self.where}: a chunked transform is immutable; make a new one to change {name!r}.")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"{self.where}: a chunked transform is immutable; cannot delete {name!r}.")
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """As a function's: looked up on an instance, the transform bound to it."""
+        return self if instance is None else BoundChunked(self, instance)
+
+    def __repr__(self) -> str:
+        return f"<{self.where} of {getattr(self, '__qualname__', self.fun)!s}, chunk_size={self.chunk_size!r}>"
+
+    @property
+    def last_plan(self) -> _budget.BudgetPlan | None:
+        """The :class:`chunkop.BudgetPlan` of the last ``chunk_size="auto"`` call (or
+        :meth:`plan_for`); None before any."""
+        return _LAST_PLANS.get(self)
+
+    def _record(self, plan: _budget.BudgetPlan) -> _budget.BudgetPlan:
+        _LAST_PLANS[self] = plan
+        return plan
 
     # -- stage 1: checks -------------------------------------------------------------------------
     def _flat_arguments(self, args: tuple, kwargs: dict) -> tuple[list, Any, list, list]:
@@ -147,7 +194,7 @@ class Chunked:
             if self.axis_name is None or "collective" not in str(e):
                 raise
             if chunk == "auto":  # chunks would each see part of the axis: unchunked instead
-                self.last_plan = _budget.unchunked_plan(n, self.memory_budget, leaves)
+                self._record(_budget.unchunked_plan(n, self.memory_budget, leaves))
                 return None
             if shards == 1:
                 raise
@@ -163,7 +210,7 @@ class Chunked:
     # -- stage 4 ---------------------------------------------------------------------------------
     def _plan(self, traced: Traced, axes: list, n: int, mapped: list, shards: int = 1) -> LoopSpec:
         """The loop's spec for an axis of ``n`` (one device's shard when ``shards > 1``). For
-        ``"auto"`` the chunk is planned on the traced program (``self.last_plan``); a plan that
+        ``"auto"`` the chunk is planned on the traced program (recorded: ``last_plan``); a plan that
         fits the whole axis is one chunk without remat or progress."""
         chunk = self.chunk_size
         spec = LoopSpec(
@@ -176,7 +223,7 @@ class Chunked:
         )
         if chunk == "auto":
             plan = _budget.plan_traced(traced, spec, mapped, n, kind=self.kind, memory_budget=self.memory_budget)
-            self.last_plan = plan._replace(shards=shards) if shards > 1 else plan
+            self._record(plan._replace(shards=shards) if shards > 1 else plan)
             spec = spec._replace(plan=make_plan(n, plan.chunk or n))
         if spec.plan.n_full == 1 and not spec.plan.rem:  # the whole axis (or shard) in one chunk: as jax.vmap
             spec = spec._replace(remat=False, progress=None)
@@ -189,8 +236,7 @@ class Chunked:
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
         if n <= 1:
-            self.last_plan = _budget.unchunked_plan(n, self.memory_budget, leaves)
-            return self.last_plan
+            return self._record(_budget.unchunked_plan(n, self.memory_budget, leaves))
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
         if sharded is not None:
             call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)
@@ -474,6 +520,34 @@ class Chunked:
         return jax.tree_util.tree_unflatten(out_tree, finish_sums(totals, self.kind, n, final))
 
 
+class BoundChunked:
+    """A :class:`Chunked` transform bound to an instance (``Chunked.__get__``), as a method is:
+    called, it passes the instance as the first argument (mapped as ``in_axes``' first entry
+    says). Its other attributes (``last_plan``, ``chunk_size`` ...) are the transform's."""
+
+    __slots__ = ("__func__", "__self__", "__weakref__")
+
+    def __init__(self, transform: Chunked, instance: Any) -> None:
+        object.__setattr__(self, "__func__", transform)
+        object.__setattr__(self, "__self__", instance)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def plan_for(self, args: tuple, kwargs: dict) -> _budget.BudgetPlan:
+        """:meth:`Chunked.plan_for` with the instance as the first argument (``chunkop.plan``)."""
+        return self.__func__.plan_for((self.__self__, *args), kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__func__, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a bound chunked transform is immutable; cannot set {name!r}.")
+
+    def __repr__(self) -> str:
+        return f"<bound {self.__func__!r} of {self.__self__!r}>"
+
+
 def _run_loop(kind: str, traced: Traced, spec: LoopSpec, consts: list, mapped: list) -> Any:
     """Stage 5: the compiled loop of ``kind`` for ``traced`` and ``spec`` (cached when the trace
     could be keyed), run on ``consts`` and the mapped leaves."""
@@ -583,13 +657,3 @@ def _cached_loop(kind: str, key: Hashable, spec: LoopSpec, make: Callable[[], Ca
     (a ``remat`` policy, a ``progress`` callable) cannot be keyed."""
     full_key = _loop_key(kind, key, spec)
     return make() if full_key is None else cached(full_key, lambda: jax.jit(make()))
-
-
-def chunked(fun: Callable, *args: Any, **kwargs: Any) -> Callable:
-    """A :class:`Chunked` transform of ``fun``, with ``fun``'s name, docstring and ``__wrapped__``.
-
-    Unlike ``functools.wraps``, ``fun.__dict__`` is *not* copied: the wrapper's attributes
-    (``fun``, ``in_axes``, ...) would otherwise be overwritten by those of a wrapped transform
-    (nesting) or of any callable object with attributes.
-    """
-    return functools.update_wrapper(Chunked(fun, *args, **kwargs), fun, updated=())

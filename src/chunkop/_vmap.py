@@ -11,7 +11,7 @@ from typing import Any
 from . import _budget
 from ._chunking import Remat
 from ._progress import Progress
-from ._transform import chunked
+from ._transform import Chunked
 
 __all__ = ["vmap", "map"]
 
@@ -101,7 +101,7 @@ def vmap(
         >>> f(jnp.ones((10, 4)), jnp.ones((4, 2))).shape
         (10, 2)
     """
-    return chunked(
+    return Chunked(
         fun,
         in_axes,
         out_axes,
@@ -152,7 +152,7 @@ def map(  # noqa: A001
         Array([3., 3., 3., 3., 3., 3., 3.], dtype=float32)
     """
     chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where="chunkop.map")
-    mapped = chunked(
+    mapped = Chunked(
         f,
         0,
         0,
