@@ -66,9 +66,20 @@ def _differentiated(
     return _partial_args(fun, args, kwargs, nums), dyn
 
 
-def _basis(i: jax.Array, size: int, dtype: Any, unravel: Callable) -> Any:
+def _basis(i: jax.Array, size: int, dtype: Any, unravel: Callable, types: Any) -> Any:
+    """Basis vector ``i`` as a pytree like ``types`` (the avals of the leaves it pairs with), its
+    leaves in their sharding types: on an Explicit mesh a VJP or linearised function refuses a
+    cotangent or tangent whose type differs from its primal's (``float32[8]`` for ``float32[8@d]``)."""
     # A comparison rather than `zeros(size).at[i].set(1)`: the latter fails to trace for size 0.
-    return unravel((jnp.arange(size) == i).astype(dtype))
+    tree = unravel((jnp.arange(size) == i).astype(dtype))
+    return jax.tree_util.tree_map(_typed_like, tree, types)
+
+
+def _typed_like(x: jax.Array, aval: Any) -> jax.Array:
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or all(p is None for p in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, sharding)
 
 
 def _check_complex(tree: Any, where: str, what: str) -> None:
@@ -140,8 +151,9 @@ def jacrev(
             _check_float(out, where, "outputs", real=True)
         flat_out, unravel = ravel_pytree(out)
         m = flat_out.size
+        types = jax.tree_util.tree_map(jax.typeof, out)
         pull = vmap(
-            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel)),
+            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel, types)),
             chunk_size=chunk_size,
             memory_budget=memory_budget,
         )
@@ -207,8 +219,9 @@ def jacfwd(
             _check_complex(out, where, "outputs")
         flat_in, unravel = ravel_pytree(dyn)
         n = flat_in.size
+        types = jax.tree_util.tree_map(jax.typeof, dyn)
         push = vmap(
-            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel)),
+            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel, types)),
             chunk_size=chunk_size,
             memory_budget=memory_budget,
         )
