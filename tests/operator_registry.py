@@ -99,6 +99,14 @@ def dense_matrix(row_fn: Callable, rows: Any, in_structure: Any) -> jax.Array:
     return jax.vmap(image)(jnp.eye(flat.size, dtype=flat.dtype)).T
 
 
+def longest_sum(matrix: Any) -> int:
+    """The longest sum in ``matrix @ x`` or ``matrix.T @ y``: the most nonzeros in a row or a
+    column (what a chunked product and its reference may order differently: the ``n_terms``
+    of ``conftest.assert_tree_allclose``)."""
+    nonzero = np.asarray(matrix) != 0
+    return int(max(nonzero.sum(0).max(initial=1), nonzero.sum(1).max(initial=1)))
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Case:
     """A test problem: ``make_row_fn(p)`` is the row function, ``make_rows(p)`` the rows."""

@@ -25,6 +25,7 @@ from operator_registry import (
     STRUCT,
     K,
     dense_matrix,
+    longest_sum,
     los_row,
     los_weights,
     make_complex,
@@ -44,14 +45,14 @@ def check_against_dense(A, row_fn, rows=ROWS):
     """``A.mv``, ``A.T.mv``, the gradient of a loss through each, and ``as_matrix`` vs the matrix
     (eagerly, as users call them)."""
     M = dense_matrix(row_fn, rows, STRUCT)
-    x, y = X.reshape(-1), Y
-    np.testing.assert_allclose(A.mv(X), M @ x, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(A.T.mv(Y).reshape(-1), M.T @ y, rtol=1e-5, atol=1e-6)
+    x, y, n = X.reshape(-1), Y, longest_sum(M)
+    assert_tree_allclose(A.mv(X), M @ x, n_terms=n)
+    assert_tree_allclose(A.T.mv(Y).reshape(-1), M.T @ y, n_terms=n)
     g = jax.grad(lambda v: jnp.sum(jnp.sin(A.mv(v))))(X).reshape(-1)
-    np.testing.assert_allclose(g, M.T @ jnp.cos(M @ x), rtol=1e-4, atol=1e-6)
+    assert_tree_allclose(g, M.T @ jnp.cos(M @ x), n_terms=2 * n)  # two products in a row
     gT = jax.grad(lambda v: jnp.sum(jnp.sin(A.T.mv(v))))(Y)
-    np.testing.assert_allclose(gT, M @ jnp.cos(M.T @ y), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(A.as_matrix(), M, rtol=1e-5, atol=1e-6)
+    assert_tree_allclose(gT, M @ jnp.cos(M.T @ y), n_terms=2 * n)
+    assert_tree_allclose(A.as_matrix(), M, n_terms=n)
 
 
 # -- state changes between builds ---------------------------------------------------------------
@@ -75,8 +76,8 @@ def test_replaced_global_array():
         check_against_dense(A2, global_row)  # the new array, in mv, T.mv and gradients
         # the old operator keeps the array it was built with, in mv and T.mv alike
         M_old = dense_matrix(los_row, ROWS, STRUCT)
-        np.testing.assert_allclose(A1.mv(X), M_old @ X.reshape(-1), rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(A1.T.mv(Y).reshape(-1), M_old.T @ Y, rtol=1e-5, atol=1e-6)
+        assert_tree_allclose(A1.mv(X), M_old @ X.reshape(-1), n_terms=longest_sum(M_old))
+        assert_tree_allclose(A1.T.mv(Y).reshape(-1), M_old.T @ Y, n_terms=longest_sum(M_old))
     finally:
         GLOBAL_GAIN = old
 
@@ -169,7 +170,7 @@ def test_rebuilt_operators_share_compiled_kernels():
     before = (_rows.apply._cache_size(), _rows.apply_transpose._cache_size())
     for i in range(3):
         B = make(jnp.full(NPIX, float(i + 2), jnp.float32), make_los_rows(seed=i + 5))
-        np.testing.assert_allclose(B.mv(X), (i + 2) * jax.vmap(los_row, (0, None))(B.rows, X), rtol=1e-5)
+        assert_tree_allclose(B.mv(X), (i + 2) * jax.vmap(los_row, (0, None))(B.rows, X), n_terms=K)
         B.T.mv(Y)
     assert (_rows.apply._cache_size(), _rows.apply_transpose._cache_size()) == before
 
@@ -275,10 +276,11 @@ def test_to_scipy_rmatvec_is_the_conjugate_transpose():
     M = np.asarray(case.dense())
     S = chunkop.to_scipy(A)
     v = np.asarray(rand(M.shape[0], seed=7, dtype=np.complex64))
-    np.testing.assert_allclose(S.rmatvec(v), M.conj().T @ v, rtol=1e-5, atol=1e-5)
+    n = longest_sum(M)
+    assert_tree_allclose(S.rmatvec(v), M.conj().T @ v, n_terms=n)
     V = np.stack([v, 2j * v], axis=1)
-    np.testing.assert_allclose(S.rmatmat(V), M.conj().T @ V, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(S.H.matvec(v), M.conj().T @ v, rtol=1e-5, atol=1e-5)
+    assert_tree_allclose(S.rmatmat(V), M.conj().T @ V, n_terms=n)
+    assert_tree_allclose(S.H.matvec(v), M.conj().T @ v, n_terms=n)
     # lsqr converges to the least-squares solution (it uses rmatvec)
     b = M @ np.asarray(rand(M.shape[1], seed=8, dtype=np.complex64)) + 0.1 * v
     expected = np.linalg.lstsq(M.astype(np.complex128), b.astype(np.complex128), rcond=None)[0]
