@@ -163,13 +163,14 @@ def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[
     n_c = nxc * nyc
     t, om = jnp.asarray(profile_t(cat.edges)), jnp.asarray(profile_omega(cat.edges))
     Gj, Vj = jnp.asarray(G), jnp.asarray(V)
-    y, iv = jnp.asarray(cat.y, jnp.float64), jnp.asarray(1.0 / cat.sigma.astype(np.float64) ** 2)
+    y, var = jnp.asarray(cat.y, jnp.float64), jnp.asarray(cat.sigma.astype(np.float64) ** 2)
     cp = jnp.asarray(cpix)
-    log_norm = float(np.sum(np.log(2 * np.pi * cat.sigma.astype(np.float64) ** 2)))
 
     def objective(theta):
         m = Gj @ (Vj.T @ profile(theta, t, om))  # A mu, line by line
         r = y - m
+        iv = 1.0 / var
+        log_norm = jnp.sum(jnp.log(2 * np.pi * var))
         tp = jax.ops.segment_sum(m * r * iv, cp, n_c)
         D = jax.ops.segment_sum(m * m * iv, cp, n_c)
         Ks = jnp.exp(theta[3]) * _dense_sqrt_cov(nxc, nyc, jnp.exp(theta[4]), jnp.exp(theta[5]))
@@ -217,9 +218,10 @@ def learn_hyperparameters(cat: Catalog, G: np.ndarray, V: np.ndarray, log: Calla
         x0 = starts[int(np.argmin(vals))]
 
         # L-BFGS-B on coordinates scaled by the Hessian's diagonal at the start (the level a is
-        # ~1e3x more sharply determined than the rest)
+        # ~1e4x more sharply determined than the rest, which otherwise sends the first steps astray)
         hess = jax.jit(jax.hessian(objective))
-        scale = 1.0 / np.sqrt(np.maximum(np.abs(np.diag(np.asarray(hess(jnp.asarray(x0))))), 1e-8))
+        d0 = np.abs(np.diag(np.asarray(hess(jnp.asarray(x0)), np.float64)))
+        scale = 1.0 / np.sqrt(np.maximum(d0, 1e-6 * d0.max()))
 
         def fun(u):
             v, g = vg(jnp.asarray(x0 + scale * u))
@@ -357,14 +359,17 @@ def sky_summaries(cat: Catalog, post: dict) -> dict:
     db = np.diff(cat.edges)
     dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
     mu, zeta = post["mu"], post["zeta"]
-    mean = (mu[None, :] * (1.0 + zeta[:, None])).astype(np.float32)
+    mean = mu.astype(np.float32)[None, :] * (1.0 + zeta.astype(np.float32))[:, None]
     out = {"mean": mean, "column": (1 + zeta) * (mu @ db), "wcolumn": (1 + zeta) * (mu @ dib)}
     if "zeta_samples" in post:
         Z, M = 1.0 + post["zeta_samples"], post["mu_samples"]
         S = Z.shape[0]
-        e1 = (Z.T @ M) / S
-        e2 = ((Z * Z).T @ (M * M)) / S
-        out["std"] = np.sqrt(np.maximum(e2 - e1 * e1, 0.0)).astype(np.float32)
+        std = np.empty(mean.shape, np.float32)
+        for i in range(0, Z.shape[1], 65536):  # pixel blocks: no sky-sized float64 temporaries
+            z = Z[:, i : i + 65536]
+            e1 = (z.T @ M) / S
+            std[i : i + 65536] = np.sqrt(np.maximum(((z * z).T @ (M * M)) / S - e1 * e1, 0.0))
+        out["std"] = std
         out["column_std"] = np.std(Z * (M @ db)[:, None], axis=0)
         out["wcolumn_std"] = np.std(Z * (M @ dib)[:, None], axis=0)
     return out

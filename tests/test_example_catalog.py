@@ -1,0 +1,165 @@
+"""The astro example's catalog path (examples/astro_los: catalog.py, learn.py, families.py).
+
+A catalog file is validated field by field; the synthetic data go through the same file as a
+user's catalog (``--write-catalog`` then ``--data``); the reconstruction takes the catalog and
+nothing of the generator; the learned hyperparameters recover known ones on a small sky drawn from
+the model's own prior; a truth family the generator does not draw reconstructs at tiny size.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
+import catalog
+import families
+import learn
+import los
+import reconstruct
+
+
+def _good(n: int = 50) -> dict:
+    rng = np.random.default_rng(0)
+    return {
+        "pix": rng.integers(0, 12, n),
+        "d": rng.uniform(40, 1700, n),
+        "s": rng.uniform(4, 170, n),
+        "y": rng.normal(size=n),
+        "sigma": np.full(n, 0.1),
+        "nx": 4,
+        "ny": 3,
+        "edges": np.geomspace(40, 1700, 7),
+    }
+
+
+BAD = [
+    ("missing y", lambda f: f.pop("y"), "missing field(s) ['y']"),
+    ("pix as floats", lambda f: f.update(pix=f["pix"].astype(float)), "field 'pix': expected integers"),
+    ("pix outside the grid", lambda f: f["pix"].__setitem__(7, 12), "field 'pix': expected indices in [0, nx * ny)"),
+    ("negative pix", lambda f: f["pix"].__setitem__(3, -1), "first at line 3"),
+    ("pix not 1-D", lambda f: f.update(pix=f["pix"].reshape(5, 10)), "field 'pix': expected a non-empty 1-D"),
+    ("d too short", lambda f: f.update(d=f["d"][:-1]), "field 'd': expected shape (50,)"),
+    ("d not positive", lambda f: f["d"].__setitem__(4, 0.0), "field 'd': expected values > 0"),
+    (
+        "NaN in y",
+        lambda f: f["y"].__setitem__(9, np.nan),
+        "field 'y': expected finite values, got NaN or inf in 1 line(s), first at line 9",
+    ),
+    ("s not positive", lambda f: f["s"].__setitem__(0, -1.0), "field 's': expected values > 0"),
+    ("inf in s", lambda f: f["s"].__setitem__(2, np.inf), "field 's': expected finite values"),
+    ("sigma zero", lambda f: f["sigma"].__setitem__(5, 0.0), "field 'sigma': expected values > 0"),
+    ("sigma too long", lambda f: f.update(sigma=np.ones(51)), "field 'sigma': expected shape (50,)"),
+    ("nx zero", lambda f: f.update(nx=0), "field 'nx': expected a scalar integer >= 1"),
+    ("ny an array", lambda f: f.update(ny=np.array([3, 3])), "field 'ny': expected a scalar integer"),
+    (
+        "edges decreasing",
+        lambda f: f.update(edges=f["edges"][::-1]),
+        "field 'edges': expected positive, strictly increasing",
+    ),
+    ("edges with NaN", lambda f: f["edges"].__setitem__(2, np.nan), "field 'edges': expected finite values"),
+    ("one edge", lambda f: f.update(edges=np.array([40.0])), "field 'edges': expected a 1-D array of >= 2"),
+]
+
+
+@pytest.mark.parametrize("case,mutate,message", BAD, ids=[b[0] for b in BAD])
+def test_catalog_errors_name_the_field(case, mutate, message):
+    f = _good()
+    mutate(f)
+    with pytest.raises(catalog.CatalogError) as e:
+        catalog.validate_catalog(f)
+    assert message in str(e.value), str(e.value)
+
+
+def test_catalog_file_round_trip_and_cli_error(tmp_path):
+    f = _good()
+    path = tmp_path / "c.npz"
+    cat = catalog.write_catalog(path, **f)
+    back = catalog.load_catalog(path)
+    for k in ("pix", "d", "s", "y", "sigma", "edges"):
+        np.testing.assert_array_equal(getattr(back, k), getattr(cat, k))
+    assert (back.nx, back.ny, back.n_bins, back.n_los) == (4, 3, 6, 50)
+    # the CLI turns a bad catalog into a usage error naming the field
+    f["sigma"][0] = -1.0
+    np.savez(tmp_path / "bad.npz", **f)
+    with pytest.raises(SystemExit):
+        reconstruct.main(["--data", str(tmp_path / "bad.npz"), "--out", str(tmp_path / "o")])
+
+
+def test_write_catalog_then_data_round_trip(tmp_path, monkeypatch, capsys):
+    # the built-in synthetic data through the same file a user gives (--write-catalog, --data)
+    path = str(tmp_path / "tiny.npz")
+    reconstruct.main(["--size", "tiny", "--write-catalog", path])
+    assert os.path.exists(path) and os.path.exists(reconstruct.truth_path(path))
+
+    # nothing of the generator is reachable from the reconstruction: it runs with los's synthetic
+    # problem (the truth's parameters, the prior mean it used to read) made unusable
+    def forbidden(*a, **k):
+        raise AssertionError("the reconstruction touched the synthetic generator")
+
+    for name in ("make_problem", "true_sky", "draw_lines", "_make_field", "_smooth_field"):
+        monkeypatch.setattr(los, name, forbidden)
+    out = tmp_path / "out"
+    summ = reconstruct.main(["--data", path, "--out", str(out), "--samples", "4", "--no-figures"])
+    mean = np.load(out / "posterior_mean.npy")
+    std = np.load(out / "posterior_std.npy")
+    assert mean.shape == (96, 24) and mean.dtype == np.float32 and std.shape == mean.shape
+    assert np.all(np.isfinite(mean)) and np.all(std >= 0)
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk["chi2_per_line"] == pytest.approx(summ["chi2_per_line"])
+    assert 0.8 < summ["chi2_per_line"] < 1.2
+    assert "theta" in on_disk["hyperparameters"] and on_disk["warnings"]
+    assert "WARNING: the radial profile is set mostly by its hyperprior" in capsys.readouterr().out
+    # the entry point takes the catalog and options only
+    params = list(inspect.signature(reconstruct.reconstruct_catalog).parameters)
+    assert params[0] == "cat" and not {"P", "problem", "field", "prior_mean", "truth"} & set(params)
+
+
+def test_learned_hyperparameters_recover_known_ones():
+    # a sky drawn from the model's own prior (field sd 0.3, correlation length 3 px, spectral slope
+    # 2.5, a falling profile) seen by 20000 lines: measured 0.251, 2.43 px, 2.54, level 0.0005 +- 0.0003.
+    # Tolerances: field sd and length within a factor 1.35 (the empirical sd of this one draw is 0.26),
+    # slope within 25%, the level a within 0.01; the profile's shape stays near its hyperprior.
+    nx, ny, n = 24, 16, 20_000
+    rng = np.random.default_rng(1)
+    edges = los.bin_edges(24)
+    pix = rng.integers(0, nx * ny, n)
+    d = np.exp(rng.uniform(np.log(40), np.log(1700), n))
+    s = 0.1 * d
+    sq = np.asarray(learn.field_power(nx, ny, 3.0, 2.5, full=True, sqrt=True))
+    zeta = 0.3 * np.fft.ifft2(np.fft.fft2(rng.standard_normal((nx, ny))) * sq).real.reshape(-1)
+    t, om = learn.profile_t(edges), learn.profile_omega(edges)
+    mu = np.asarray(learn.profile(np.array([0.0, -0.5, -0.3]), t, om, np))
+    y_clean = (learn.weights_np(d, s, edges) @ mu) * (1 + zeta[pix])
+    sigma = np.full(n, 0.02 * np.sqrt(np.mean(y_clean**2)))
+    cat = catalog.validate_catalog(
+        {"pix": pix, "d": d, "s": s, "y": y_clean + sigma * rng.standard_normal(n), "sigma": sigma}
+        | {"nx": nx, "ny": ny, "edges": edges}
+    )
+    V, _ = learn.radial_basis(cat)
+    G, _ = learn.compress_lines(cat, V)
+    h = learn.learn_hyperparameters(cat, G, V, log=lambda m: None)
+    assert h["optimizer"]["success"] and not h["at_bound"]
+    assert abs(np.log(h["amp"] / 0.3)) < np.log(1.35)
+    assert abs(np.log(h["ell_pixels"] / 3.0)) < np.log(1.35)
+    assert abs(h["slope"] / 2.5 - 1) < 0.25
+    assert abs(h["theta"][0]) < 0.01
+    assert h["profile_shape_sd_over_prior_sd"][1] > 0.5  # c: not constrained by these data
+
+
+def test_family_reconstructs_at_tiny_size(tmp_path):
+    # a truth the generator does not draw (a dense sheet with a sharp edge), from its catalog file
+    cat_path, truth_path = families.write_family("sheet_edge", str(tmp_path), "tiny")
+    summ = reconstruct.main(
+        ["--data", cat_path, "--truth", truth_path, "--out", str(tmp_path / "o"), "--samples", "8", "--no-figures"]
+    )
+    m = summ["evaluation"]
+    assert m["chi2_per_line"] < 1.5
+    assert m["rel_err_wcolumn"] < 0.2 * m["rel_err_wcolumn_oracle"]
+    assert 0 <= m["column_within_2sd"] <= 1
+    assert summ["warnings"]  # the profile warning at least
