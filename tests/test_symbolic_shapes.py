@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_tree_allclose
 from jax import export
 
 import chunkop
@@ -78,3 +79,15 @@ def test_unchunked_call_takes_the_symbolic_size():
     assert str(seen["n"]) == "b"
     with pytest.raises(ValueError, match="or use chunk_size=None"):  # the fix a chunked call is told
         export.export(jax.jit(lambda x: _axes.mapped_size([x], [0], ["args[0]"], None, chunked=True)))(SYMBOLIC_BATCH)
+
+
+@pytest.mark.parametrize("name", ["vmap", "sum", "mean"])
+def test_unchunked_call_exports_with_a_symbolic_batch_as_jax_vmap(name):
+    """``chunk_size=None`` is exactly ``jax.vmap``: it exports with a symbolic batch, and the
+    exported program gives ``jax.vmap``'s result at a concrete size."""
+    call = getattr(chunkop, name)(f, chunk_size=None)
+    exported = export.export(jax.jit(call))(SYMBOLIC_BATCH)
+    x = jnp.arange(15.0, dtype=jnp.float32).reshape(5, 3)
+    per_example = jax.vmap(f)(x)
+    expected = {"vmap": per_example, "sum": per_example.sum(), "mean": per_example.mean()}[name]
+    assert_tree_allclose(exported.call(x), expected, n_terms=len(x))

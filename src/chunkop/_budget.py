@@ -18,8 +18,7 @@ parts it is built on:
 - :mod:`chunkop._operator.row_plan`: the plan of a ``RowOperator`` built with ``chunk_size="auto"``
   (its ``mv`` and ``T.mv`` given to :func:`plan_program`).
 
-One upward reference is left: :func:`plan_traced` builds a transform's loop with
-:func:`chunkop._loops.make_loop` when its caller passes no ``loop_at``.
+The planner imports nothing above it: a transform passes the loop to plan (``loop_at``).
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ import numpy as np
 from . import _estimate
 from ._axes import check_chunk_size
 from ._cache import Uncacheable, cached_plan, setting_key
-from ._chunking import make_plan
-from ._loops import make_loop  # (upward: the transforms' build belongs to _transform, see plan_traced)
 from ._memory import MODES, check_mode, default_budget, program_temp_bytes, throughput_cap
 from ._search import BudgetPlan, choose_chunk
 from ._tree import struct_of as _struct
@@ -384,7 +381,7 @@ def plan_traced(
     *,
     kind: str,
     memory_budget: int | None,
-    loop_at: Callable[[int], Callable] | None = None,
+    loop_at: Callable[[int], Callable],
 ) -> BudgetPlan:
     """The (cached) plan of an ``"auto"`` transform, made on the program the call will run.
 
@@ -402,8 +399,7 @@ def plan_traced(
         kind: the loop's kind (``"stack"``, ``"sum"``, ``"mean"``).
         memory_budget: the budget in bytes, or None for :func:`default_budget`.
         loop_at: ``loop_at(chunk) -> loop``, the call's loop ``(consts, mapped) -> result`` at
-            ``chunk``; None: :func:`chunkop._loops.make_loop` of ``kind`` on ``spec``. (The
-            caller that builds its loops should pass it: the planner then needs no loop module.)
+            ``chunk``, built by the caller (the planner imports no loop module).
 
     Returns:
         The :class:`BudgetPlan`; its ``chunk`` is None when the whole axis fits.
@@ -411,11 +407,6 @@ def plan_traced(
     leaves = [*traced.consts, *mapped]
     mode = "forward" if traced.derivative_error else plan_mode(leaves)  # (it cannot be differentiated)
     k = len(traced.consts)
-    probe_spec = spec._replace(progress=None)
-    if loop_at is None:
-        loop_at = lambda chunk: make_loop(
-            kind, traced.jaxpr, traced.out_shapes, probe_spec._replace(plan=make_plan(n, min(chunk, n)))
-        )
 
     def build(chunk: int) -> list:
         loop = loop_at(chunk)

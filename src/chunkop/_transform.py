@@ -144,7 +144,7 @@ class Chunked:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
-        n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
+        n = mapped_size(leaves, axes, paths, self.axis_size, self.where, chunked=self.chunk_size is not None)
         chunk = self.chunk_size
         # -- stage 2: no chunking is exactly jax.vmap
         if chunk is None or (chunk != "auto" and n <= chunk):
@@ -222,7 +222,18 @@ class Chunked:
             progress=self.progress,
         )
         if chunk == "auto":
-            plan = _budget.plan_traced(traced, spec, mapped, n, kind=self.kind, memory_budget=self.memory_budget)
+            probe = spec._replace(progress=None)
+            plan = _budget.plan_traced(
+                traced,
+                spec,
+                mapped,
+                n,
+                kind=self.kind,
+                memory_budget=self.memory_budget,
+                loop_at=lambda c: make_loop(
+                    self.kind, traced.jaxpr, traced.out_shapes, probe._replace(plan=make_plan(n, min(c, n)))
+                ),
+            )
             self._record(plan._replace(shards=shards) if shards > 1 else plan)
             spec = spec._replace(plan=make_plan(n, plan.chunk or n))
         if spec.plan.n_full == 1 and not spec.plan.rem:  # the whole axis (or shard) in one chunk: as jax.vmap
