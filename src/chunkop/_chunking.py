@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _jaxpr
 from ._cache import register_cache
 from ._progress import Progress, progress_hook
 
@@ -191,16 +192,94 @@ def fusion_barrier(chunk: Any, key: jax.Array | int | None = None) -> Any:
     return jax.tree_util.tree_unflatten(tree, leaves)
 
 
-def rematerialise(fn: Callable, remat: Remat) -> Callable:
-    """Wrap ``fn`` in ``jax.checkpoint`` (``remat=True``), a checkpoint policy (callable), or nothing."""
+def rematerialise(fn: Callable, remat: Remat, recompute_custom_vjp: bool = False) -> Callable:
+    """Wrap ``fn`` in ``jax.checkpoint`` (``remat=True``), a checkpoint policy (callable), or nothing.
+
+    Under JAX's ``jax_custom_vjp3`` flag (without ``jax_remat3``), JAX 0.10 cannot differentiate
+    ``jax.checkpoint`` around ``jax.vmap`` of a ``jax.custom_vjp`` function in reverse mode, in
+    either order ("can't apply forward-mode autodiff (jvp) to a custom_vjp function"). With
+    ``recompute_custom_vjp`` (the transforms' loops), a chunk whose trace calls one is then
+    rematerialised by :func:`_recomputed` instead (see there for what that allows); every other
+    chunk, and every chunk without ``recompute_custom_vjp`` (the operator kernels, whose chunks must
+    stay linearly transposable), keeps ``jax.checkpoint``.
+    """
     if remat is False:
         return fn
     policy = None if remat is True else remat
-    return jax.checkpoint(fn, prevent_cse=False, policy=policy)
+    checkpointed = jax.checkpoint(fn, prevent_cse=False, policy=policy)
+    if not (recompute_custom_vjp and _checkpoint_breaks_custom_vjp()):
+        return checkpointed
+
+    def call(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        if not _calls_custom_vjp3(closed.jaxpr):
+            return checkpointed(*args)
+        jaxpr, n_consts = closed.jaxpr, len(closed.consts)
+
+        def run(*flat: Any) -> list:
+            return jax.core.eval_jaxpr(jaxpr, list(flat[:n_consts]), *flat[n_consts:])
+
+        out = _recomputed(run)(*closed.consts, *jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+
+    return call
+
+
+def _checkpoint_breaks_custom_vjp() -> bool:
+    """Whether ``jax.checkpoint`` cannot be differentiated around ``jax.vmap`` of a ``custom_vjp``:
+    ``jax_custom_vjp3`` on and ``jax_remat3`` (whose checkpoint can) off."""
+    return bool(getattr(jax.config, "jax_custom_vjp3", False)) and not getattr(jax.config, "jax_remat3", False)
+
+
+def _calls_custom_vjp3(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` (at any depth) calls a ``jax_custom_vjp3`` custom_vjp function: a
+    ``call_hi_primitive`` of a ``CustomVJPTraced``, possibly under ``jax.vmap`` (``VmapOf``)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "call_hi_primitive":
+            prim = eqn.params.get("_prim")
+            while prim is not None:
+                if type(prim).__name__.startswith("CustomVJP"):
+                    return True
+                prim = getattr(prim, "params", {}).get("prim")  # VmapOf(prim, ...)
+        if any(_calls_custom_vjp3(sub) for sub in _jaxpr.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _recomputed(run: Callable[..., list]) -> Callable[..., list]:
+    """``run`` (a function of flat arrays: the chunk's closed-over values, then its inputs)
+    rematerialised without ``jax.checkpoint``: a ``jax.custom_vjp`` whose forward rule saves
+    only its inputs and whose backward rule recomputes ``run`` under ``jax.vjp``.
+
+    The residuals are the chunk's inputs, as with the checkpoint: the closed-over values are
+    the scan's constants, saved once, not per chunk (compiled temp memory equal to the
+    checkpoint's with the flag off). The backward rule is plain JAX, so it is differentiated
+    again for reverse mode of any order; the forward rule computes the primal through
+    ``jax.vjp`` (its pullback unused), so the ``custom_vjp`` functions inside run their own
+    forward rules, which an enclosing ``jvp`` (``jax.hessian``'s) differentiates. Forward mode
+    through the chunk itself raises JAX's "can't apply forward-mode autodiff (jvp) to a
+    custom_vjp function", also where ``jax.vmap`` would not differentiate the ``custom_vjp``
+    (a tangent only of values it does not read, e.g. a ``jax.jvp`` w.r.t. the mapped input of
+    a traced constant's custom_vjp): pass ``remat=False`` there. A ``remat`` policy saves
+    nothing more here. ``run`` closes over no tracer (a ``custom_vjp`` function may not).
+    """
+
+    @jax.custom_vjp
+    def recomputed(*flat: Any) -> list:
+        return run(*flat)
+
+    def forward(*flat: Any) -> tuple[list, tuple]:
+        return jax.vjp(run, *flat)[0], flat
+
+    def backward(flat: tuple, cotangents: list) -> tuple:
+        return jax.vjp(run, *flat)[1](cotangents)
+
+    recomputed.defvjp(forward, backward)
+    return recomputed
 
 
 def _full_chunks(
-    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat
+    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat, recompute: bool
 ) -> tuple[Any, Callable[[Any], Any]]:
     """What the scan runs over, and the (rematerialised) body applied to one item of it."""
     index = jnp.arange(plan.n_full, dtype=jnp.int32)  # (also the barrier's predicate: never batched)
@@ -208,21 +287,23 @@ def _full_chunks(
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
         apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)
-        return (xs, index), rematerialise(apply, remat)
+        return (xs, index), rematerialise(apply, remat, recompute)
 
     def read_and_apply(i: jax.Array) -> Any:
         start = i * plan.chunk  # in bounds: start + chunk <= n_full * chunk < n, so no clamping
         chunk = [jax.lax.dynamic_slice_in_dim(x, start, plan.chunk, axis=0) for x in mapped]
         return chunk_fn(fusion_barrier(chunk, key=i), plan.chunk)
 
-    return index, rematerialise(read_and_apply, remat)
+    return index, rematerialise(read_and_apply, remat, recompute)
 
 
-def _remainder(chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat) -> Any:
+def _remainder(
+    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat, recompute: bool
+) -> Any:
     """``chunk_fn`` on the last ``n % chunk`` elements (only called when there are some)."""
     cut = plan.n_full * plan.chunk
     apply = lambda rest: chunk_fn(fusion_barrier(list(rest), key=plan.n_full), plan.rem)
-    return rematerialise(apply, remat)([x[cut:] for x in mapped])
+    return rematerialise(apply, remat, recompute)([x[cut:] for x in mapped])
 
 
 def stack_chunks(
@@ -232,6 +313,7 @@ def stack_chunks(
     remat: Remat,
     carried_like: Sequence[Any] = (),
     progress: Progress = None,
+    recompute_custom_vjp: bool = False,
 ) -> tuple[list, list | None, list]:
     """Run ``chunk_fn`` over every chunk of the mapped arrays (leading axis ``plan.size``).
 
@@ -244,15 +326,16 @@ def stack_chunks(
         remat: whether (or with which policy) to rematerialise each chunk.
         carried_like: shape/dtype structs of ``zs``.
         progress: None/False, True (a progress bar) or ``progress(k, n)``: see ``_progress``.
+        recompute_custom_vjp: see :func:`rematerialise`.
 
     Returns:
         ``(ys_full, ys_rem, zs)``: ``ys_full`` leaves have shape ``(n_full, *chunk_out_shape)``;
         ``ys_rem`` is the remainder chunk's ``ys`` (None when ``n % chunk == 0``).
     """
     if plan.n_full == 1 and not plan.rem:  # one chunk (an "auto" plan that fits): no loop, no report
-        ys, zs = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat)(list(mapped))
+        ys, zs = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
         return [y[None] for y in ys], None, list(zs)
-    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
+    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
 
@@ -264,7 +347,7 @@ def stack_chunks(
     zs, ys_full = jax.lax.scan(body, init, xs, length=plan.n_full)
     ys_rem = None
     if plan.rem:
-        ys_rem, zs = hook.remainder(_remainder(chunk_fn, mapped, plan, remat))
+        ys_rem, zs = hook.remainder(_remainder(chunk_fn, mapped, plan, remat, recompute_custom_vjp))
         ys_rem, zs = list(ys_rem), list(zs)
     return ys_full, ys_rem, zs
 
@@ -276,17 +359,18 @@ def sum_chunks(
     remat: Remat,
     init: Any,
     progress: Progress = None,
+    recompute_custom_vjp: bool = False,
 ) -> Any:
     """Accumulate ``init + sum over chunks of chunk_fn(chunk_arrays, m)`` (a pytree of arrays).
 
     Only the running sum is carried, so neither the forward pass nor (with ``remat``) the
-    backward pass holds per-element outputs.
+    backward pass holds per-element outputs. ``recompute_custom_vjp``: see :func:`rematerialise`.
     """
     if plan.n_full == 1 and not plan.rem:  # one chunk: no loop, no report
         return jax.tree_util.tree_map(
-            jnp.add, init, rematerialise(lambda c: chunk_fn(c, plan.chunk), remat)(list(mapped))
+            jnp.add, init, rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
         )
-    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat)
+    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
 
@@ -295,5 +379,6 @@ def sum_chunks(
 
     acc, _ = jax.lax.scan(body, init, xs, length=plan.n_full)
     if plan.rem:
-        acc = jax.tree_util.tree_map(jnp.add, acc, hook.remainder(_remainder(chunk_fn, mapped, plan, remat)))
+        rest = _remainder(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
+        acc = jax.tree_util.tree_map(jnp.add, acc, hook.remainder(rest))
     return acc

@@ -94,6 +94,7 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
             spec.remat,
             [out_leaves[k] for k in carried],
             progress=spec.progress,
+            recompute_custom_vjp=True,
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
@@ -123,7 +124,9 @@ def _sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callabl
             return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
 
         init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
-        total = sum_chunks(chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress)
+        total = sum_chunks(
+            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress, recompute_custom_vjp=True
+        )
         return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, plan.size, final))
 
     return loop
