@@ -142,6 +142,20 @@ def _coarse(cat: Catalog, f: int) -> tuple[int, int, np.ndarray]:
     return nxc, nyc, (ix // f) * nyc + iy // f
 
 
+def _coarse_of_pixel(nx: int, ny: int, f: int) -> np.ndarray:
+    """The coarse pixel of every fine pixel ``ix * ny + iy``."""
+    ix, iy = np.divmod(np.arange(nx * ny), ny)
+    return (ix // f) * (-(-ny // f)) + iy // f
+
+
+def _box_gain2(k: np.ndarray, f: int) -> np.ndarray:
+    """``|mean_{j<f} exp(2 pi i k j)|^2``: the power transfer of averaging ``f`` neighbours."""
+    if f == 1:
+        return np.ones_like(k)
+    num, den = np.sin(np.pi * f * k), f * np.sin(np.pi * k)
+    return np.where(np.abs(den) < 1e-12, 1.0, (num / np.where(den == 0, 1.0, den)) ** 2)
+
+
 def _dense_sqrt_cov(nx: int, ny: int, ell, slope) -> Any:
     """``K^1/2`` as a dense ``(nx ny) x (nx ny)`` matrix: the circulant of the square root of the
     unit-variance power on the periodic grid (``K^1/2 K^1/2 = K``, ``K`` of unit diagonal)."""
@@ -157,7 +171,11 @@ def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[
     ``m^2 / sigma^2`` and ``m r / sigma^2``, ``H = I + K^1/2 D K^1/2``: the quadratic form
     ``r^T (N + M K M^T)^-1 r`` is evaluated as the posterior mean's ``chi2 + |xi|^2``
     (``xi = H^-1 K^1/2 t``, ``zeta = K^1/2 xi``), free of the cancellation of ``r^T N^-1 r - ...``;
-    ``log det = log |N| + log |H|`` (Cholesky).
+    ``log det = log |N| + log |H|`` (Cholesky). The field below the coarse pixel (its variance
+    ``amp^2 (1 - mean_k P(k) |box(k)|^2)`` from the fine-grid spectrum) is integrated out per fine
+    pixel as an independent deviation shared by that pixel's lines (exact per pixel; the
+    correlation between the fine pixels of one coarse pixel is neglected); the coarse field keeps
+    the rest of the variance.
     """
     nxc, nyc, cpix = _coarse(cat, f)
     n_c = nxc * nyc
@@ -166,21 +184,35 @@ def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[
     y, var = jnp.asarray(cat.y, jnp.float64), jnp.asarray(cat.sigma.astype(np.float64) ** 2)
     cp = jnp.asarray(cpix)
 
+    fine = jnp.asarray(cat.pix)
+    fine_to_coarse = jnp.asarray(_coarse_of_pixel(cat.nx, cat.ny, f))
+    kx, ky = np.fft.fftfreq(cat.nx)[:, None], np.fft.fftfreq(cat.ny)[None, :]
+    box2 = jnp.asarray(_box_gain2(kx, f) * _box_gain2(ky, f))  # |block-average transfer|^2
+
     def objective(theta):
         m = Gj @ (Vj.T @ profile(theta, t, om))  # A mu, line by line
         r = y - m
         iv = 1.0 / var
         log_norm = jnp.sum(jnp.log(2 * np.pi * var))
-        tp = jax.ops.segment_sum(m * r * iv, cp, n_c)
-        D = jax.ops.segment_sum(m * m * iv, cp, n_c)
-        Ks = jnp.exp(theta[3]) * _dense_sqrt_cov(nxc, nyc, jnp.exp(theta[4]), jnp.exp(theta[5]))
+        ell, slope = jnp.exp(theta[4]), jnp.exp(theta[5])
+        # the field's share below the coarse pixel: variance w2 per fine pixel (independent),
+        # integrated out pixel by pixel (a rank-1 term of the lines' covariance per fine pixel)
+        pf = field_power(cat.nx, cat.ny, ell * f, slope, full=True)
+        w2 = jnp.exp(2 * theta[3]) * (1.0 - jnp.mean(pf * box2))
+        Dp = jax.ops.segment_sum(m * m * iv, fine, cat.n_pix)
+        tp_ = jax.ops.segment_sum(m * r * iv, fine, cat.n_pix)
+        shrink = 1.0 / (1.0 + w2 * Dp)
+        D = jax.ops.segment_sum(Dp * shrink, fine_to_coarse, n_c)
+        tp = jax.ops.segment_sum(tp_ * shrink, fine_to_coarse, n_c)
+        Ks = jnp.exp(theta[3]) * jnp.sqrt(1.0 - w2 * jnp.exp(-2 * theta[3])) * _dense_sqrt_cov(nxc, nyc, ell, slope)
         H = jnp.eye(n_c) + Ks @ (D[:, None] * Ks)
         L = jnp.linalg.cholesky(H)
         xi = jax.scipy.linalg.cho_solve((L, True), Ks @ tp)
         zeta = Ks @ xi
         res = r - m * zeta[cp]
-        quad = jnp.sum(res * res * iv) + xi @ xi
-        logdet = 2 * jnp.sum(jnp.log(jnp.diag(L)))
+        common = tp_ - Dp * zeta[fine_to_coarse]  # m^T N^-1 (r - m zeta) per fine pixel
+        quad = jnp.sum(res * res * iv) - jnp.sum(w2 * common**2 * shrink) + xi @ xi
+        logdet = 2 * jnp.sum(jnp.log(jnp.diag(L))) - jnp.sum(jnp.log(shrink))
         nll = 0.5 * (quad + logdet + log_norm)
         return nll + 0.5 * (theta[1] ** 2 + theta[2] ** 2) / PROFILE_PRIOR_SD**2
 
