@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import lineax as lx
 import numpy as np
 from _device_checks import run_checks
+from _tolerance import rtol_for
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -44,9 +45,14 @@ def check(fn):
     return fn
 
 
-def close(actual, expected, rtol=1e-5, atol=1e-5, what=""):
+def close(actual, expected, rtol=None, atol=None, what="", *, n_terms=1, condition=1.0):
+    """``actual`` (float32) equals ``expected`` (often float64) to an explicit ``rtol``/``atol``
+    (solvers: their own tolerance), or by default to the rounding of ``actual``'s computation
+    (tests/_tolerance.py: ``n_terms`` the longest sum in it, ``condition`` its cancellation)."""
+    rtol = rtol_for(np.asarray(actual).dtype, n_terms, condition) if rtol is None else rtol
     a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     assert a.shape == e.shape, (what, a.shape, e.shape)
+    atol = rtol * float(np.abs(e).max(initial=0.0)) if atol is None else atol
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
 
 
@@ -160,14 +166,14 @@ def operator_algebra():
             got = jax.jit(algebra)(A, x, y)
             close(got[0], damped_ref @ x_np, 1e-4, 1e-4, where)
             close(got[1], M @ (M.T @ y_np), 1e-4, 1e-4, where)
-            close(got[2], M @ x_np, 1e-5, 1e-5, where)
+            close(got[2], M @ x_np, what=where, n_terms=K, condition=3.0)  # 2 A x - A x: (2 + 1) / 1
             close(got[3], damped_ref @ x_np, 1e-4, 1e-4, where)
             assert A.T.T is A
             assert lx.is_positive_semidefinite(A.normal()) and lx.is_symmetric(A.normal())
             if (kind, n_dev, out_sharding) == ("explicit", 4, "rows"):  # eagerly, and dense matrices
                 damped = A.T @ A + LAM * lx.IdentityLinearOperator(A.in_structure())
                 close(damped.mv(x), damped_ref @ x_np, 1e-4, 1e-4, where)
-                close(A.as_matrix(), M, 1e-6, 1e-6, where)
+                close(A.as_matrix(), M, what=where, n_terms=K)
                 close(damped.as_matrix(), damped_ref, 1e-4, 1e-4, where)
 
 
@@ -260,7 +266,7 @@ def replicated_out_collectives_and_grad():
 
         assert hlo(lambda A, x: A.mv(x), A, x) == ["all-gather"], hlo(lambda A, x: A.mv(x), A, x)
         assert hlo(lambda A, b: A.T.mv(b), A, b) == ["all-reduce"], hlo(lambda A, b: A.T.mv(b), A, b)
-        close(A.mv(x), M @ x_np, 1e-5, 1e-5)
+        close(A.mv(x), M @ x_np, n_terms=K)
         assert tuple(A.mv(x).sharding.spec) in ((), (None,)), A.mv(x).sharding
         got = jax.jit(jax.grad(lambda w, idx: loss(w, idx, "replicated")))(A.rows["w"], A.rows["idx"])
         close(got, gref, 1e-4, 1e-4)
