@@ -64,9 +64,18 @@ def _jacfwd(f):
 TRANSFORMS = {"vmap": _vmap, "map": _map, "sum": _sum, "mean": _mean, "jacrev": _jacrev, "jacfwd": _jacfwd}
 
 
+def _sum_tolerance(terms):
+    """``assert_tree_allclose``'s ``n_terms`` and ``condition`` for a sum over axis 0 of ``terms``
+    (the per-example values): its length and its worst cancellation."""
+    t = np.asarray(terms, np.float64)
+    return {"n_terms": t.shape[0], "condition": float(np.max(np.abs(t).sum(0)) / np.max(np.abs(t.sum(0))))}
+
+
 def _same(transform, f):
     got, expected = transform(f)
-    assert_tree_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    # sum and mean reorder a sum over the N examples; the rest are elementwise
+    tol = _sum_tolerance(jax.vmap(f)(X)) if transform in (_sum, _mean) else {}
+    assert_tree_allclose(got, expected, **tol)
     return got
 
 
@@ -99,7 +108,8 @@ def test_attribute_mutation_same_wrapper(name):
     ref = (lambda y: y) if name == "vmap" else (lambda y: y.sum(0))
     for w in (1.0, 5.0, -2.0):
         layer.w = jnp.float32(w)
-        assert_tree_allclose(f(X), ref(jax.vmap(layer.apply)(X)))
+        per_example = jax.vmap(layer.apply)(X)
+        assert_tree_allclose(f(X), ref(per_example), **({} if name == "vmap" else _sum_tolerance(per_example)))
 
 
 PARAMS = {"w": jnp.ones(3)}
@@ -202,7 +212,7 @@ def test_closure_over_differentiated_parameter(remat):
 def test_closure_over_outer_vmap_tracer():
     ws = _rand(5, 3, seed=4)
     got = jax.vmap(lambda w: chunkop.vmap(lambda x: x @ w, chunk_size=CHUNK)(X))(ws)
-    assert_tree_allclose(got, jax.vmap(lambda w: jax.vmap(lambda x: x @ w)(X))(ws), rtol=1e-5)
+    assert_tree_allclose(got, jax.vmap(lambda w: jax.vmap(lambda x: x @ w)(X))(ws), n_terms=X.shape[1])
 
 
 # -- axis-size queries and collectives over a chunked axis name ------------------------------------
@@ -313,10 +323,10 @@ def test_unmapped_python_values(name, chunk_size):
     f, value = UNMAPPED[name]
     expected = jax.vmap(f, in_axes=(0, None))(X, value)
     got = chunkop.vmap(f, in_axes=(0, None), chunk_size=chunk_size)(X, value)
-    assert_tree_allclose(got, expected)
+    assert_tree_allclose(got, expected, n_terms=X.shape[1])  # int_shape: x.sum() over 3 values
     if name in ("int_shape", "numpy_table", "float", "string"):
         total = chunkop.sum(f, in_axes=(0, None), chunk_size=chunk_size)(X, value)
-        assert_tree_allclose(total, expected.sum(0), rtol=1e-5)
+        assert_tree_allclose(total, expected.sum(0), **_sum_tolerance(expected))
 
 
 # -- what the caches keep alive ---------------------------------------------------------------------
@@ -436,7 +446,7 @@ def test_custom_vmap_rule_closing_over_a_value():
         assert_tree_allclose(chunkop.vmap(make(c), chunk_size=3)(xs), jax.vmap(make(c))(xs))
 
 
-def test_custom_vjp3_flag_runs_forward_refuses_derivatives_clearly_and_remat_false_works():
+def test_custom_vjp3_flag_runs_forward_and_derivatives_with_and_without_remat():
     xs = jnp.arange(float(N))
     old = jax.config.jax_custom_vjp3
     jax.config.update("jax_custom_vjp3", True)
@@ -449,9 +459,10 @@ def test_custom_vjp3_flag_runs_forward_refuses_derivatives_clearly_and_remat_fal
         g.defvjp(lambda x: (jnp.sin(x), x), lambda x, ct: (jnp.cos(x) * ct,))
         assert_tree_allclose(chunkop.vmap(g, chunk_size=3)(xs), jnp.sin(xs))  # forward runs, as jax.vmap
         assert_tree_allclose(jax.jit(chunkop.vmap(g, chunk_size=3))(xs), jnp.sin(xs))
-        assert_tree_allclose(chunkop.sum(g, chunk_size="auto", memory_budget=1 << 20)(xs), jnp.sin(xs).sum())
-        with pytest.raises(ValueError, match=r"jax_custom_vjp3 .* remat=False"):
-            jax.grad(lambda x: chunkop.vmap(g, chunk_size=3)(x).sum())(xs)
+        total = chunkop.sum(g, chunk_size="auto", memory_budget=1 << 20)(xs)
+        assert_tree_allclose(total, jnp.sin(xs).sum(), **_sum_tolerance(jnp.sin(xs)))
+        got = jax.grad(lambda x: chunkop.vmap(g, chunk_size=3)(x).sum())(xs)  # (tests/test_custom_vjp3.py)
+        assert_tree_allclose(got, jnp.cos(xs))
         got = jax.grad(lambda x: chunkop.vmap(g, chunk_size=3, remat=False)(x).sum())(xs)
         assert_tree_allclose(got, jnp.cos(xs))
     finally:
