@@ -96,8 +96,29 @@ def leaf_tolerances(expected: Any, *, n_terms: int, condition: float, depth: int
     rtol = rtol_for(dtype, n_terms, condition, depth)
     if terms is not None:
         return 0.0, sum_atol(terms, 0, depth)
-    scale = float(np.max(np.abs(np.asarray(expected)))) if np.size(expected) else 0.0
+    finite = np.abs(np.asarray(expected))[np.isfinite(expected)]  # (a NaN or inf is compared as itself)
+    scale = float(np.max(finite)) if finite.size else 0.0
     return rtol, rtol * scale
+
+
+def _assert_within(actual: np.ndarray, expected: np.ndarray, rtol: float, atol: Any, err_msg: str) -> None:
+    """``|actual - expected| <= atol + rtol |expected|`` elementwise (``atol`` may be an array);
+    NaNs and infinities must match exactly. Raises with the worst element."""
+    np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=f"NaN positions differ {err_msg}")
+    inf = np.isinf(expected) | np.isinf(actual)
+    np.testing.assert_array_equal(actual[inf], expected[inf], err_msg=f"infinities differ {err_msg}")
+    ok = np.isfinite(expected) & np.isfinite(actual)
+    diff = np.abs(actual - expected)
+    bound = np.broadcast_to(atol + rtol * np.abs(expected), diff.shape)
+    bad = ok & (diff > bound)
+    if bad.any():
+        ratio = np.where(bad, diff / np.where(bound > 0, bound, np.finfo(np.float64).tiny), 0)
+        k = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+        raise AssertionError(
+            f"{int(bad.sum())} of {diff.size} elements differ beyond the tolerance {err_msg}; worst at "
+            f"{tuple(int(j) for j in k)}: actual {actual[k]!r}, expected {expected[k]!r}, |diff| {diff[k]:.3g} "
+            f"> bound {bound[k]:.3g}"
+        )
 
 
 def _is_key(x) -> bool:
@@ -150,13 +171,11 @@ def assert_tree_allclose(
         an, en = _as_numpy(a), _as_numpy(e)
         if np.issubdtype(en.dtype, np.inexact):
             r, t_abs = leaf_tolerances(en, n_terms=n_terms, condition=condition, depth=depth, terms=t)
-            np.testing.assert_allclose(
-                an,
-                en,
-                rtol=r if rtol is None else rtol,
-                atol=t_abs if atol is None else atol,
-                err_msg=f"leaf {i} {err_msg}".strip(),
-            )
+            rt, at = (r if rtol is None else rtol), (t_abs if atol is None else atol)
+            if np.ndim(at):  # an elementwise bound (from `terms`)
+                _assert_within(an, en, rt, np.asarray(at), f"leaf {i} {err_msg}".strip())
+            else:
+                np.testing.assert_allclose(an, en, rtol=rt, atol=at, err_msg=f"leaf {i} {err_msg}".strip())
         else:
             np.testing.assert_array_equal(an, en, err_msg=f"leaf {i} {err_msg}".strip())
 

@@ -405,7 +405,7 @@ def plan_traced(
         The :class:`BudgetPlan`; its ``chunk`` is None when the whole axis fits.
     """
     leaves = [*traced.consts, *mapped]
-    mode = "forward" if traced.derivative_error else plan_mode(leaves)  # (it cannot be differentiated)
+    mode = plan_mode(leaves)
     k = len(traced.consts)
 
     def build(chunk: int) -> list:

@@ -21,7 +21,7 @@ from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunk
 from ._progress import Progress
 from ._trace import eval_traced
 
-__all__ = ["KINDS", "LoopSpec", "finish_sums", "make_loop", "refusing_derivatives", "result_dtype", "sum_dtypes"]
+__all__ = ["KINDS", "LoopSpec", "finish_sums", "make_loop", "result_dtype", "sum_dtypes"]
 
 #: The kinds of chunked transform: how chunk outputs combine.
 KINDS = ("stack", "sum", "mean")
@@ -161,17 +161,3 @@ def make_loop(kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callabl
     if kind in ("sum", "mean"):
         return _sum_loop(jaxpr, out_shapes, spec, kind)
     raise ValueError(f"make_loop: `kind` must be one of {KINDS}, got {kind!r}.")
-
-
-def refusing_derivatives(loop: Callable, message: str) -> Callable:
-    """``loop`` unchanged forward; its JVP (so any derivative through it) raises ``message``."""
-
-    @jax.custom_jvp
-    def guarded(consts: list, mapped: list) -> Any:
-        return loop(consts, mapped)
-
-    @guarded.defjvp
-    def _(primals: tuple, tangents: tuple) -> Any:
-        raise ValueError(message)
-
-    return guarded

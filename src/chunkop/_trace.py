@@ -52,9 +52,6 @@ class Traced(NamedTuple):
         stageable: False when a custom rule in the jaxpr closes over a tracer of an enclosing
             transform: then the chunks must run without a staging boundary (see
             :class:`chunkop._cache.ClosesOverTracer`).
-        derivative_error: when set, the compiled loop runs forward but cannot be differentiated
-            (``jax_custom_vjp3`` with a ``custom_vjp`` under remat): differentiating it raises a
-            ``ValueError`` with this message.
     """
 
     jaxpr: Any
@@ -62,7 +59,6 @@ class Traced(NamedTuple):
     out_shapes: Any
     key: Hashable | None
     stageable: bool = True
-    derivative_error: str | None = None
 
 
 def _example_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
@@ -484,7 +480,7 @@ def trace_example(
         n: the size of the mapped axis.
         axis_name: the mapped axis' name (or None).
         chunk_size: the chunk size (for messages).
-        remat: the remat setting (``jax_custom_vjp3`` cannot differentiate it around a custom_vjp).
+        remat: the remat setting.
         where: the public name, for messages.
         axis_env_size: what axis-size queries over ``axis_name`` give (default ``n``; the whole
             axis' size when ``n`` is one device's shard of it).
@@ -504,19 +500,10 @@ def trace_example(
     closed, out_shapes = trace(one, *structs, named_after=fun, axis_env=env, fold=axis_name is None)
     if axis_name is not None:
         _check_collectives(closed, axis_name, n_env, chunk_size, where)
-    refusal = None
-    if jax.config.jax_custom_vjp3 and remat is not False and _has_eqn(closed.jaxpr, _is_custom_vjp):
-        refusal = (
-            f"{where}: `fun` calls a jax.custom_vjp function while jax_custom_vjp3 is enabled; under "
-            f"that flag JAX cannot differentiate jax.checkpoint around jax.vmap of a custom_vjp "
-            f"function (in any order), which chunking with remat needs to differentiate. Pass "
-            f"remat=False (reverse mode then stores every chunk's residuals), or disable the flag "
-            f'with jax.config.update("jax_custom_vjp3", False). (Without derivatives it runs.)'
-        )
     try:
         key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes))
     except ClosesOverTracer:
-        return Traced(closed.jaxpr, list(closed.consts), out_shapes, None, False, refusal)
+        return Traced(closed.jaxpr, list(closed.consts), out_shapes, None, False)
     except Uncacheable:
         key = None
-    return Traced(closed.jaxpr, list(closed.consts), out_shapes, key, True, refusal)
+    return Traced(closed.jaxpr, list(closed.consts), out_shapes, key, True)

@@ -41,7 +41,7 @@ from ._axes import (
 )
 from ._cache import Uncacheable, cached, setting_key
 from ._chunking import Remat, make_plan
-from ._loops import KINDS, LoopSpec, finish_sums, make_loop, refusing_derivatives, sum_dtypes
+from ._loops import KINDS, LoopSpec, finish_sums, make_loop, sum_dtypes
 from ._progress import Progress, check_progress
 from ._trace import Traced, trace_example
 from ._tree import has_shape
@@ -456,7 +456,6 @@ class Chunked:
                 spec,
                 "sharded",
                 traced_where,
-                traced.derivative_error,
                 mesh_axes,
                 tuple(specs),
                 mapped_k,
@@ -564,8 +563,6 @@ def _run_loop(kind: str, traced: Traced, spec: LoopSpec, consts: list, mapped: l
     could be keyed), run on ``consts`` and the mapped leaves."""
     make = functools.partial(make_loop, kind, traced.jaxpr, traced.out_shapes, spec)
     loop = make() if traced.key is None else _cached_loop(kind, traced.key, spec, make)
-    if traced.derivative_error is not None:
-        loop = refusing_derivatives(loop, traced.derivative_error)
     return loop(consts, mapped)
 
 
