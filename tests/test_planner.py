@@ -86,6 +86,7 @@ def test_auto_under_an_enclosing_vmap_stays_within_its_budget(budget):
     np.testing.assert_allclose(batched(xs), jax.vmap(lambda x: jax.vmap(_mlp)(x).sum())(xs), rtol=2e-5)
 
 
+@pytest.mark.slow  # (16 s: CI time)
 def test_row_operator_auto_over_row_sets_stays_within_its_budget():
     """A ``RowOperator`` built with ``chunk_size="auto"`` under ``jax.vmap`` over 4 sets of rows:
     ``mv``, ``T.mv`` and the gradient w.r.t. ``x`` compile within the budget. Before: 3 MiB for a
@@ -227,6 +228,7 @@ def test_ct_auto_chunk_is_not_below_the_overhead_floor(monkeypatch, ct_case):
     assert measured <= _search.OVER_CAP * plan.cap, measured / MiB
 
 
+@pytest.mark.slow  # (19 s: CI time)
 def test_ct_explicit_budget_still_bounds_compiled_memory(ct_case):
     """An explicit budget below what the floor's chunk needs: the budget wins, every kernel and
     VJP within it (by the planner's measure and by the operator's own compiled programs)."""
