@@ -116,8 +116,20 @@ def _both(f, chunk, kind="vmap"):
     )
 
 
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("rule", RULES)
+def _cross(first: list, second: list, default: set) -> list:
+    """The ``(a, b)`` pairs of ``first x second``: those in ``default`` by default, the rest (the
+    same code paths with another rule or chunk) under ``-m slow``."""
+    return [
+        pytest.param(a, b, id=f"{a}-{b}", marks=[pytest.mark.slow] * ((a, b) not in default))
+        for a in first
+        for b in second
+    ]
+
+
+# every rule with a chunk that leaves a remainder; every chunk with the clipping rule
+@pytest.mark.parametrize(
+    ("rule", "chunk"), _cross(RULES, CHUNKS, {(r, CHUNKS[0]) for r in RULES} | {("clip", c) for c in CHUNKS})
+)
 def test_grad_and_value_and_grad_match_jax_vmap(custom_vjp3, rule, chunk):
     chunked, reference = _both(make_example(rule), chunk)
     assert_tree_allclose(jax.grad(chunked, (0, 1))(P, X), jax.grad(reference, (0, 1))(P, X), **TOL)
@@ -150,8 +162,7 @@ def test_grad_of_grad_and_hessian_match_jax_vmap_grad_of_grad(custom_vjp3):
     assert_tree_allclose(second(chunked, jax.hessian), want, **TOL2)
 
 
-@pytest.mark.parametrize("kind", ["sum", "mean"])
-@pytest.mark.parametrize("chunk", [3, 5])
+@pytest.mark.parametrize(("chunk", "kind"), _cross([3, 5], ["sum", "mean"], {(3, "sum"), (5, "mean")}))
 def test_sum_and_mean(custom_vjp3, kind, chunk):
     chunked, reference = _both(make_example("clip"), chunk, kind)
     assert_tree_allclose(chunked(P, X), reference(P, X), **TOL)

@@ -50,8 +50,21 @@ def _assert_product(got: np.ndarray, matrix: np.ndarray, v: np.ndarray, dtype: n
     assert np.all(excess <= 0), f"{what}: off by {np.max(excess):.3g} beyond the rounding bound"
 
 
-@pytest.mark.parametrize("variant", ["own_dtype", "wide_view", "transposed"])
-@pytest.mark.parametrize("make_operator", make_operators, ids=OPERATOR_IDS)
+# Every registry operator in its own dtype; the wide view and the transpose (the same code path
+# per operator kind) on one operator of each kind by default, on all of them under ``-m slow``.
+_KINDS = {"los", "complex", "complex_out", "pytree", "vector_out"}
+
+
+def _operator_variants() -> list:
+    params = []
+    for variant in ("own_dtype", "wide_view", "transposed"):
+        for make, name in zip(make_operators, OPERATOR_IDS):
+            slow = variant != "own_dtype" and name not in _KINDS
+            params.append(pytest.param(make, variant, id=f"{name}-{variant}", marks=[pytest.mark.slow] * slow))
+    return params
+
+
+@pytest.mark.parametrize(("make_operator", "variant"), _operator_variants())
 def test_every_operator_acts_as_its_dense_matrix(make_operator, variant):
     """``A`` in its own dtype and in a wide view, and ``A.T`` (whose matrix is ``M^T``; for a
     real-input, complex-output ``A`` a complex-to-real operator)."""

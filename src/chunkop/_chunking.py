@@ -212,7 +212,7 @@ def rematerialise(fn: Callable, remat: Remat, recompute_custom_vjp: bool = False
 
     def call(*args: Any) -> Any:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if not _calls_custom_vjp3(closed.jaxpr):
+        if not _jaxpr.has_eqn(closed.jaxpr, _jaxpr.is_custom_vjp):
             return checkpointed(*args)
         jaxpr, n_consts = closed.jaxpr, len(closed.consts)
 
@@ -229,21 +229,6 @@ def _checkpoint_breaks_custom_vjp() -> bool:
     """Whether ``jax.checkpoint`` cannot be differentiated around ``jax.vmap`` of a ``custom_vjp``:
     ``jax_custom_vjp3`` on and ``jax_remat3`` (whose checkpoint can) off."""
     return bool(getattr(jax.config, "jax_custom_vjp3", False)) and not getattr(jax.config, "jax_remat3", False)
-
-
-def _calls_custom_vjp3(jaxpr: Any) -> bool:
-    """Whether ``jaxpr`` (at any depth) calls a ``jax_custom_vjp3`` custom_vjp function: a
-    ``call_hi_primitive`` of a ``CustomVJPTraced``, possibly under ``jax.vmap`` (``VmapOf``)."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "call_hi_primitive":
-            prim = eqn.params.get("_prim")
-            while prim is not None:
-                if type(prim).__name__.startswith("CustomVJP"):
-                    return True
-                prim = getattr(prim, "params", {}).get("prim")  # VmapOf(prim, ...)
-        if any(_calls_custom_vjp3(sub) for sub in _jaxpr.jaxprs_in_params(eqn.params)):
-            return True
-    return False
 
 
 def _recomputed(run: Callable[..., list]) -> Callable[..., list]:

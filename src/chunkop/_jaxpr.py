@@ -1,6 +1,8 @@
 """The jaxpr types chunkop reads (from ``jax.extend.core`` where this JAX version exports them),
-the one walk over a jaxpr's data dependencies that the estimate and the checks share, and the
-context an equation is re-bound in when a jaxpr is evaluated (:func:`eqn_context`).
+the two walks over a jaxpr that every module shares (:func:`find_eqn`, equations at any depth;
+:func:`dependent_eqns`, data dependencies), the one test for a ``jax.custom_vjp`` call
+(:func:`is_custom_vjp`), and the context an equation is re-bound in when a jaxpr is evaluated
+(:func:`eqn_context`).
 
 ``jax.extend.core`` exports ``DropVar`` and ``jaxprs_in_params`` only in recent versions;
 older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them in
@@ -10,13 +12,24 @@ older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from jax._src import source_info_util as _source_info  # no public form of eval_jaxpr's per-equation context
 from jax.extend import core as _ext
 
-__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "dependent_eqns", "eqn_context", "jaxprs_in_params"]
+__all__ = [
+    "ClosedJaxpr",
+    "DropVar",
+    "Jaxpr",
+    "Literal",
+    "dependent_eqns",
+    "eqn_context",
+    "find_eqn",
+    "has_eqn",
+    "is_custom_vjp",
+    "jaxprs_in_params",
+]
 
 ClosedJaxpr = _ext.ClosedJaxpr
 Jaxpr = _ext.Jaxpr
@@ -29,6 +42,48 @@ except AttributeError:  # jax < 0.10
 
     DropVar = _core.DropVar
     jaxprs_in_params = _core.jaxprs_in_params
+
+
+def find_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> Any:
+    """The first equation of ``jaxpr``, at any depth, for which ``test(eqn)`` holds, or ``None``.
+
+    Depth first: the equations inside an equation's sub-jaxprs (``jit``, ``cond`` branches,
+    ``scan`` and ``while`` bodies, ``checkpoint`` ...) come before the equation itself.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> closed = jax.make_jaxpr(lambda x: jax.jit(jnp.sin)(x) * 2)(1.0)
+        >>> find_eqn(closed.jaxpr, lambda e: e.primitive.name == "sin").primitive.name
+        'sin'
+    """
+    for eqn in jaxpr.eqns:
+        for sub in jaxprs_in_params(eqn.params):
+            found = find_eqn(sub, test)
+            if found is not None:
+                return found
+        if test(eqn):
+            return eqn
+    return None
+
+
+def has_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> bool:
+    """Whether ``jaxpr`` has, at any depth, an equation for which ``test(eqn)`` holds."""
+    return find_eqn(jaxpr, test) is not None
+
+
+def is_custom_vjp(eqn: Any) -> bool:
+    """Whether ``eqn`` calls a ``jax.custom_vjp`` function: a ``custom_vjp_call``, or (under
+    ``jax_custom_vjp3``) a call of a ``CustomVJP...`` primitive object, possibly wrapped by
+    ``jax.vmap`` (``VmapOf``, which keeps the wrapped one in ``params["prim"]``)."""
+    if eqn.primitive.name == "custom_vjp_call":
+        return True
+    for value in eqn.params.values():
+        while value is not None:
+            if type(value).__name__.startswith("CustomVJP"):
+                return True
+            inner = getattr(value, "params", None)
+            value = inner.get("prim") if isinstance(inner, dict) else None
+    return False
 
 
 def dependent_eqns(jaxpr: Any, inputs: set) -> Iterator[tuple[Any, list[tuple[Any, set]]]]:

@@ -87,15 +87,6 @@ def _mentions(value: Any, name: Hashable) -> bool:
     return False
 
 
-def _subjaxprs(value: Any):
-    items = value if isinstance(value, (tuple, list)) else (value,)
-    for item in items:
-        if hasattr(item, "eqns"):
-            yield item
-        elif hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns"):
-            yield item.jaxpr
-
-
 def _refers_to_axis(eqn: Any, name: Hashable) -> bool:
     """Whether one equation is a collective over axis ``name``.
 
@@ -112,37 +103,12 @@ def _refers_to_axis(eqn: Any, name: Hashable) -> bool:
 
 def _uses_axis(jaxpr: Any, name: Hashable) -> str | None:
     """The first primitive in ``jaxpr`` (recursively) that is a collective over axis ``name``."""
-    for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
-            for sub in _subjaxprs(value):
-                found = _uses_axis(sub, name)
-                if found:
-                    return found
-        if _refers_to_axis(eqn, name):
-            return eqn.primitive.name
-    return None
-
-
-def _has_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> bool:
-    """Whether ``jaxpr`` (recursively) has an equation for which ``test(eqn)`` holds."""
-    for eqn in jaxpr.eqns:
-        if test(eqn):
-            return True
-        for value in eqn.params.values():
-            if any(_has_eqn(sub, test) for sub in _subjaxprs(value)):
-                return True
-    return False
+    eqn = _jaxpr.find_eqn(jaxpr, lambda e: _refers_to_axis(e, name))
+    return None if eqn is None else eqn.primitive.name
 
 
 def _is_custom_rule(eqn: Any) -> bool:
-    return eqn.primitive.name in _CUSTOM_RULES or _is_custom_vjp(eqn)
-
-
-def _is_custom_vjp(eqn: Any) -> bool:
-    # custom_vjp_call, or (under jax_custom_vjp3) a `call_hi_primitive` of a CustomVJPTraced
-    return eqn.primitive.name == "custom_vjp_call" or any(
-        type(v).__name__.startswith("CustomVJP") for v in eqn.params.values()
-    )
+    return eqn.primitive.name in _CUSTOM_RULES or _jaxpr.is_custom_vjp(eqn)
 
 
 def _derivative_jaxprs(closed: Any, env: list) -> list:
@@ -190,7 +156,7 @@ def _derivative_jaxprs(closed: Any, env: list) -> list:
 
 def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int, where: str) -> None:
     jaxprs = [closed.jaxpr]
-    if _has_eqn(closed.jaxpr, _is_custom_rule):
+    if _jaxpr.has_eqn(closed.jaxpr, _is_custom_rule):
         jaxprs += _derivative_jaxprs(closed, [(axis_name, n)])
     for jaxpr in jaxprs:
         prim = _uses_axis(jaxpr, axis_name)
