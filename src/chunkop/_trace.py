@@ -432,7 +432,6 @@ def trace_example(
     *,
     axis_name: Hashable | None,
     chunk_size: int,
-    remat: Any,
     where: str,
     axis_env_size: int | None = None,
 ) -> Traced:
@@ -446,7 +445,6 @@ def trace_example(
         n: the size of the mapped axis.
         axis_name: the mapped axis' name (or None).
         chunk_size: the chunk size (for messages).
-        remat: the remat setting.
         where: the public name, for messages.
         axis_env_size: what axis-size queries over ``axis_name`` give (default ``n``; the whole
             axis' size when ``n`` is one device's shard of it).

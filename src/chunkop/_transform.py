@@ -186,7 +186,6 @@ class Chunked:
                 local,
                 axis_name=self.axis_name,
                 chunk_size=local - 1 if chunk == "auto" else min(chunk, local),
-                remat=self.remat,
                 where=self.where,
                 axis_env_size=n,
             )
