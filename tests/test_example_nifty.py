@@ -10,6 +10,7 @@ tiny MGVI run must write its figure, converge, fit the data and cover the truth 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -36,7 +37,10 @@ def _random_position(lh, key):
     return jft.Vector(lh.init(key))
 
 
-@jax.jit
+# Compiled with XLA's default CPU fusion emitters, not the suite's cheaper legacy ones
+# (tests/_device_checks.py, TEST_XLA_FLAGS): jaxlib 0.10.2's legacy emitters miscompile the plain
+# jax.vmap reference's vmapped metric here (the same HLO gives tangents 1 and 2 off by 40-50%).
+@functools.partial(jax.jit, compiler_options={"xla_cpu_use_fusion_emitters": True})
 def _everything(lh, x, t, ts):
     """Forward model, energy, gradient, metric (one tangent and vmapped), and ``J^T N^-1 J t``
     built by hand from ``jax.jvp``/``jax.vjp`` of the forward model."""

@@ -299,7 +299,8 @@ def stack_chunks(
     carried_like: Sequence[Any] = (),
     progress: Progress = None,
     recompute_custom_vjp: bool = False,
-) -> tuple[list, list | None, list]:
+    axes: Sequence[int] | None = None,
+) -> tuple[list, list]:
     """Run ``chunk_fn`` over every chunk of the mapped arrays (leading axis ``plan.size``).
 
     Args:
@@ -312,14 +313,15 @@ def stack_chunks(
         carried_like: shape/dtype structs of ``zs``.
         progress: None/False, True (a progress bar) or ``progress(k, n)``: see ``_progress``.
         recompute_custom_vjp: see :func:`rematerialise`.
+        axes: where each of ``chunk_fn``'s ``ys`` has its chunk axis (default: 0 for all).
 
     Returns:
-        ``(ys_full, ys_rem, zs)``: ``ys_full`` leaves have shape ``(n_full, *chunk_out_shape)``;
-        ``ys_rem`` is the remainder chunk's ``ys`` (None when ``n % chunk == 0``).
+        ``(ys, zs)``: every ``ys`` leaf stacked over the whole axis (``plan.size`` long, at its
+        position in ``axes``): the full chunks' outputs joined, then the remainder's.
     """
     if plan.n_full == 1 and not plan.rem:  # one chunk (an "auto" plan that fits): no loop, no report
         ys, zs = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
-        return [y[None] for y in ys], None, list(zs)
+        return list(ys), list(zs)
     xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
@@ -334,7 +336,18 @@ def stack_chunks(
     if plan.rem:
         ys_rem, zs = hook.remainder(_remainder(chunk_fn, mapped, plan, remat, recompute_custom_vjp))
         ys_rem, zs = list(ys_rem), list(zs)
-    return ys_full, ys_rem, zs
+    return _join(ys_full, ys_rem, plan, [0] * len(ys_full) if axes is None else list(axes)), zs
+
+
+def _join(ys_full: list, ys_rem: list | None, plan: ChunkPlan, axes: list) -> list:
+    """The full chunks' stacked outputs (``(n_full, ...)``, each chunk's own axis at ``axes[k]``)
+    joined along that axis into one of ``n_full * chunk``, then the remainder's appended."""
+    out = []
+    for k, (y, a) in enumerate(zip(ys_full, axes)):
+        y = jnp.moveaxis(y, 0, a)  # (..., n_full, chunk, ...)
+        y = y.reshape(y.shape[:a] + (plan.n_full * plan.chunk,) + y.shape[a + 2 :])  # (no -1: may be empty)
+        out.append(y if ys_rem is None else jnp.concatenate([y, ys_rem[k]], axis=a))
+    return out
 
 
 def sum_chunks(

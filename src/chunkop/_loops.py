@@ -78,7 +78,6 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
     oaxes = list(spec.out_axes)
     stacked = [k for k, a in enumerate(oaxes) if a is not None]
     carried = [k for k, a in enumerate(oaxes) if a is None]
-    plan = spec.plan
 
     def loop(consts: list, mapped: list) -> Any:
         wide = widen(consts)
@@ -87,23 +86,19 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
             outs = _chunk_vmap(jaxpr, spec, wide, consts, tuple(oaxes), m)(*chunk)
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
-        ys_full, ys_rem, zs = stack_chunks(
+        ys, zs = stack_chunks(
             chunk_fn,
             _moved(mapped, spec.axes),
-            plan,
+            spec.plan,
             spec.remat,
             [out_leaves[k] for k in carried],
             progress=spec.progress,
             recompute_custom_vjp=True,
+            axes=[oaxes[k] for k in stacked],
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
-            a = oaxes[k]
-            y = jnp.moveaxis(ys_full[j], 0, a)  # (..., n_full, chunk, ...)
-            y = y.reshape(y.shape[:a] + (plan.n_full * plan.chunk,) + y.shape[a + 2 :])
-            if ys_rem is not None:
-                y = jnp.concatenate([y, ys_rem[j]], axis=a)
-            result[k] = y
+            result[k] = ys[j]
         for j, k in enumerate(carried):
             result[k] = zs[j]
         return jax.tree_util.tree_unflatten(out_tree, result)

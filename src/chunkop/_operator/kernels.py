@@ -181,10 +181,7 @@ def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum
         init = _tu.tree_leaves(widen(_zeros(sum_like)))
         acc = sum_chunks(run, leaves, plan, True, init, spec.progress)
         return narrow(_tu.tree_unflatten(_tu.tree_structure(sum_like), acc), sum_like)
-    full, rem, _ = stack_chunks(lambda chunk, m: (run(chunk, m), []), leaves, plan, True, progress=spec.progress)
-    out = [f.reshape((plan.n_full * plan.chunk,) + f.shape[2:]) for f in full]  # (no -1: rows may be empty)
-    if rem is not None:
-        out = [jnp.concatenate([f, r]) for f, r in zip(out, rem)]
+    out, _ = stack_chunks(lambda chunk, m: (run(chunk, m), []), leaves, plan, True, progress=spec.progress)
     return _tu.tree_unflatten(out_tree[0], out)
 
 
