@@ -3,8 +3,9 @@
     python benchmarks/bench_scale.py                      # 132400, 1M, 4M lines: ~6-10 min on a 2-core CPU
     python benchmarks/bench_scale.py --lines 132400,1000000   # skip 4M (~3 min)
     python benchmarks/bench_scale.py --lines 54000000 --repeats 1 --literal-lines ""
-                                 # the star count of the published 3-D dust map (~15-25 min, ~5 GiB)
+                                 # the star count of the published 3-D dust map (11 min, 6.2 GiB peak)
     python benchmarks/bench_scale.py --out DIR           # write DIR/scale.json
+    python benchmarks/bench_scale.py --devices 4 ...     # rows sharded over 4 host CPU devices
 
 Sky: healpix nside 256 (786432 pixels) x 516 distance bins, float32 (1.6 GB), edges
 ``geomspace(40, 1700, 517)``. Lines: ``los.draw_lines`` (uniform pixels, log-normal distances).
@@ -34,6 +35,13 @@ chunks), timed separately from the second, cached one.
 ``--memory-lines`` (default 54000000) are compiled only, not run: the temp memory at the dust
 map's star count, from shapes alone (no 54M-line arrays are made).
 
+``--devices N`` (N > 1) starts JAX with N host CPU devices (``--xla_force_host_platform_device_count``)
+and shards the rows and the data along the lines over them (the sky is replicated: one copy
+per device, 1.6 GB each); the operator then runs one chunk loop per device's rows and sums the
+transpose's partial skies across devices. ``--ops`` picks the functions (default all three).
+The process's peak resident memory (``ru_maxrss``, monotone over a run) is recorded after each
+size.
+
 The 1-minute load average (``os.getloadavg``, as ``uptime``) is recorded before and after every
 size; the benchmark itself keeps both cores of a 2-core machine busy (load ~2), so a figure is
 labelled ``under load`` when the load average exceeds ``--loaded-above`` (2.5).
@@ -44,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,15 +60,31 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+
+def _devices_from_argv(argv: list[str]) -> int:
+    """``--devices N`` read before JAX starts (the host device count is fixed at start-up)."""
+    for i, arg in enumerate(argv):
+        if arg == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
+if _devices_from_argv(sys.argv) > 1:
+    os.environ["XLA_FLAGS"] = (
+        f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_devices_from_argv(sys.argv)}"
+    )
+
+import jax  # noqa: E402 (after the device count is set)
+import jax.numpy as jnp  # noqa: E402 (after the device count is set)
+import numpy as np  # noqa: E402 (after the device count is set)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_los as B
+import bench_los as B  # noqa: E402 (after the device count is set)
 
-import chunkop
-from chunkop._memory import free_memory
+import chunkop  # noqa: E402 (after the device count is set)
+from chunkop._memory import free_memory  # noqa: E402 (after the device count is set)
 
 los = B.los
 N_PIX, N_BINS = 786432, 516  # healpix nside 256 x 516 distance bins
@@ -111,13 +136,26 @@ def functions(op) -> dict:
     }
 
 
-def structs(n_lines: int) -> tuple:
-    rows = {
-        "pix": jax.ShapeDtypeStruct((n_lines,), jnp.int32),
-        "d": jax.ShapeDtypeStruct((n_lines,), jnp.float32),
-        "s": jax.ShapeDtypeStruct((n_lines,), jnp.float32),
-    }
-    return rows, jax.ShapeDtypeStruct((N_PIX, N_BINS), jnp.float32), jax.ShapeDtypeStruct((n_lines,), jnp.float32)
+def shardings(devices: int) -> tuple:
+    """``(lines, replicated)``: the shardings of line-indexed arrays and of the sky (None, None
+    on one device)."""
+    if devices <= 1:
+        return None, None
+    mesh = jax.make_mesh((devices,), ("lines",))
+    P = jax.sharding.PartitionSpec
+    return jax.sharding.NamedSharding(mesh, P("lines")), jax.sharding.NamedSharding(mesh, P())
+
+
+def structs(n_lines: int, devices: int = 1) -> tuple:
+    lines, replicated = shardings(devices)
+    vec = lambda dtype: jax.ShapeDtypeStruct((n_lines,), dtype, sharding=lines)
+    rows = {"pix": vec(jnp.int32), "d": vec(jnp.float32), "s": vec(jnp.float32)}
+    return rows, jax.ShapeDtypeStruct((N_PIX, N_BINS), jnp.float32, sharding=replicated), vec(jnp.float32)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux: ``ru_maxrss`` in KiB)."""
+    return 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def compile_op(fn, args: tuple) -> tuple:
@@ -164,26 +202,31 @@ def make_sky() -> jax.Array:
     return 1.0 + 0.5 * jnp.sin(1e-3 * p + 0.05 * k) * jnp.cos(0.013 * p)
 
 
-def data(n_lines: int, seed: int = 0) -> tuple:
+def data(n_lines: int, seed: int = 0, devices: int = 1) -> tuple:
     rng = np.random.default_rng(seed)
     pix, d, s = los.draw_lines(n_lines, N_PIX, rng)
     y = rng.standard_normal(n_lines).astype(np.float32)
-    return {"pix": jnp.asarray(pix), "d": jnp.asarray(d), "s": jnp.asarray(s)}, jnp.asarray(y)
+    lines, _ = shardings(devices)
+    put = (lambda a: jax.device_put(a, lines)) if lines is not None else jnp.asarray
+    return {"pix": put(pix), "d": put(d), "s": put(s)}, put(y)
 
 
-def run_config(form: str, n_lines: int, chunk, edges, sky, rows, y, repeats: int, check: bool) -> list[dict]:
+def run_config(
+    form: str, n_lines: int, chunk, edges, sky, rows, y, repeats: int, check: bool, ops=OPS, devices: int = 1
+) -> list[dict]:
     op = make_operator(form, edges, chunk)
     fns = functions(op)
     args = (rows, sky, y)
     out = []
     results = {}
-    for name in OPS:
-        c, mem = compile_op(fns[name], structs(n_lines))
+    for name in ops:
+        c, mem = compile_op(fns[name], structs(n_lines, devices))
         t = time_call(c, args, repeats)
         if check and name in ("mv", "T.mv"):
             results[name] = c(*args)
         del c
-        e = {"form": form, "lines": n_lines, "chunk": chunk, "op": name, **mem, **t}
+        e = {"form": form, "lines": n_lines, "chunk": chunk, "op": name, "devices": devices, **mem, **t}
+        e["peak_rss_bytes"] = peak_rss_bytes()  # the process so far (before the adjoint check)
         e["per_line_us"] = 1e6 * t["median_s"] / n_lines
         out.append(e)
         log(
@@ -192,9 +235,14 @@ def run_config(form: str, n_lines: int, chunk, edges, sky, rows, y, repeats: int
             f"temp {mem['temp_bytes'] / MiB:.1f} MiB; compile {mem['compile_s']:.1f} s; "
             f"load {t['load_before'][0]} -> {t['load_after'][0]}"
         )
-    if check:  # adjoint test <A x, y> = <x, A^T y> (float32 sums)
-        ax_y = float(jnp.vdot(results["mv"], y))
-        x_aty = float(jnp.vdot(sky, results["T.mv"]))
+    if check and {"mv", "T.mv"} <= set(ops):  # adjoint test <A x, y> = <x, A^T y> (float32 sums)
+        if devices > 1:  # on the host in float64 (a vdot of sharded vectors needs an out_sharding)
+            host = lambda a: np.asarray(jax.device_get(a), np.float64).ravel()
+            ax_y = float(np.dot(host(results["mv"]), host(y)))
+            x_aty = float(np.dot(host(sky), host(results["T.mv"])))
+        else:
+            ax_y = float(jnp.vdot(results["mv"], y))
+            x_aty = float(jnp.vdot(sky, results["T.mv"]))
         rel = abs(ax_y - x_aty) / max(abs(ax_y), abs(x_aty))
         for e in out:
             e["adjoint_rel_err"] = rel
@@ -236,7 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--loaded-above", type=float, default=2.5)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--devices", type=int, default=1, help="host CPU devices the rows are sharded over")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated functions, of {OPS}")
     a = p.parse_args(argv)
+    ops = tuple(x for x in a.ops.split(",") if x)
+    if not set(ops) <= set(OPS):
+        p.error(f"--ops must name some of {OPS}, got {a.ops!r}")
+    if a.devices != jax.device_count():
+        p.error(
+            f"--devices {a.devices}: JAX started with {jax.device_count()} devices (pass --devices on the command line)"
+        )
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]
     lines, literal_lines, memory_lines = ints(a.lines), ints(a.literal_lines), ints(a.memory_lines)
     sizes = sorted(set(lines) | set(literal_lines) | ({a.auto_lines} if a.auto_lines else set()))
@@ -255,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             "auto_lines": a.auto_lines,
             "memory_lines": memory_lines,
             "loaded_above": a.loaded_above,
+            "devices": a.devices,
+            "ops": list(ops),
         },
         "uptime_start": uptime(),
         "sizes": [],
@@ -263,16 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     log(f"start: {res['uptime_start']}")
     t0 = time.perf_counter()
     sky = jax.block_until_ready(make_sky())
+    if a.devices > 1:
+        sky = jax.block_until_ready(jax.device_put(sky, shardings(a.devices)[1]))
     res["sky_fill_s"] = round(time.perf_counter() - t0, 3)
     for n in sizes:
-        rows, y = data(n)
+        rows, y = data(n, devices=a.devices)
         size = {"lines": n, "uptime_before": uptime(), "load_before": load()}
         log(f"{n} lines: {size['uptime_before']}")
         t_size = time.perf_counter()
         if n in lines:
-            res["results"] += run_config("expm1", n, a.chunk, edges, sky, rows, y, a.repeats, check=True)
+            res["results"] += run_config("expm1", n, a.chunk, edges, sky, rows, y, a.repeats, True, ops, a.devices)
         if n in literal_lines:
-            res["results"] += run_config("literal", n, a.chunk, edges, sky, rows, y, a.repeats, check=False)
+            res["results"] += run_config("literal", n, a.chunk, edges, sky, rows, y, a.repeats, False, ops, a.devices)
         if n == a.auto_lines:
             jax.block_until_ready(rows)
             free = [free_memory()]
@@ -303,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             del A, A2
             res["results"] += run_config("expm1", n, "auto", edges, sky, rows, y, a.repeats, check=False)
+        size["peak_rss_bytes"] = peak_rss_bytes()
+        log(f"  peak resident memory so far: {size['peak_rss_bytes'] / 2**30:.2f} GiB")
         size["load_after"] = load()
         size["uptime_after"] = uptime()
         size["wall_s"] = round(time.perf_counter() - t_size, 1)
@@ -333,22 +396,24 @@ def markdown(res: dict) -> str:
     c = res["config"]
     lines = [
         f"Sky {c['n_pix']} x {c['n_bins']} float32 ({c['sky_bytes'] / 1e9:.2f} GB); warm-up + median of "
-        f"{c['repeats']} calls; per line = median / lines; `*` = under load (1-min load > {c['loaded_above']}).",
+        f"{c['repeats']} calls; per line = median / lines; `*` = under load (1-min load > {c['loaded_above']}); "
+        f"rows sharded over {c.get('devices', 1)} device(s).",
         "",
-        "| form | lines | chunk | op | median | per line | cpu | temp | compile | load |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---|",
+        "| form | lines | chunk | op | median | per line | cpu | temp | compile | load | peak RSS so far |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for e in res["results"]:
         star = " *" if e["under_load"] else ""
         lines.append(
             f"| {e['form']} | {e['lines']} | {e['chunk']} | {e['op']} | {e['median_s']:.3f} s{star} | "
             f"{e['per_line_us']:.3f} us | {e['cpu_median_s']:.2f} s | {e['temp_bytes'] / MiB:.1f} MiB | "
-            f"{e['compile_s']:.1f} s | {e['load_before'][0]} -> {e['load_after'][0]} |"
+            f"{e['compile_s']:.1f} s | {e['load_before'][0]} -> {e['load_after'][0]} | "
+            f"{e['peak_rss_bytes'] / 2**30:.2f} GiB |"
         )
     for e in res.get("memory_only", []):
         lines.append(
             f"| {e['form']} | {e['lines']} | {e['chunk']} | {e['op']} | compiled only | | | "
-            f"{e['temp_bytes'] / MiB:.1f} MiB | {e['compile_s']:.1f} s | |"
+            f"{e['temp_bytes'] / MiB:.1f} MiB | {e['compile_s']:.1f} s | | |"
         )
     lines += ["", "| form / chunk / op | lines | marginal us/line | fit us/line | fit fixed s | max rel. residual |"]
     lines.append("|---|---|---|---:|---:|---:|")
@@ -365,6 +430,10 @@ def markdown(res: dict) -> str:
             f"{au['cached_build_s']} s; chunk {au['chunk']} (cap {au['cap_bytes']}, compiled "
             f"{au['compiled_bytes']} B; probes {au['probes']})",
         ]
+    rss = ", ".join(
+        f"{z['lines']}: {z['peak_rss_bytes'] / 2**30:.2f} GiB" for z in res["sizes"] if "peak_rss_bytes" in z
+    )
+    lines += ["", f"peak resident memory after each size: {rss}"] if rss else []
     lines += ["", f"sky fill {res['sky_fill_s']} s; {res['uptime_start']} -> {res['uptime_end']}"]
     return "\n".join(lines) + "\n"
 

@@ -20,7 +20,7 @@ import pytest
 from conftest import assert_tree_allclose
 
 import chunkop
-from chunkop import _cache
+from chunkop import _cache, _fingerprint
 
 X = jnp.linspace(-1.0, 1.0, 10)
 
@@ -168,7 +168,7 @@ def test_inner_jit_rebuilt_per_step_is_reused_and_not_kept():
 
 
 def test_large_constant_in_a_rule_is_not_baked_into_a_cached_loop():
-    big = np.ones(_cache.MAX_KEYED_ELEMENTS + 1, np.float32)
+    big = np.ones(_fingerprint.MAX_KEYED_ELEMENTS + 1, np.float32)
 
     @jax.custom_jvp
     def f(x):

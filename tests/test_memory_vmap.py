@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import assert_tree_allclose
 
 import chunkop
 
@@ -101,3 +102,24 @@ def test_remainder_does_not_copy_the_mapped_inputs():
     copy = LARGE * (SIZES[0] * 4 + 4)  # what x[:cut] and y[:cut] would cost
     base = temp_bytes("grad", "chunkop", LARGE)
     assert with_rem <= base + 0.1 * copy, (base / 2**20, with_rem / 2**20)
+
+
+@pytest.mark.parametrize("chunk", [256, 240])  # divides 4096; leaves a remainder of 16
+def test_enclosing_vmap_does_not_copy_the_batched_inputs(chunk):
+    """Under an enclosing ``jax.vmap`` over 8 sets of (4096, 64) inputs (8 MiB), the chunks are
+    read by index: no copy of the batched inputs, whether or not the chunk divides the axis (a
+    scan over a reshape would cost 16 MiB there, the scan's batching rule moving the batch axis).
+    Values: ``jax.vmap`` of the unchunked sum."""
+    w = jnp.linspace(-0.05, 0.05, 64 * 64).reshape(64, 64)
+    xs = jnp.linspace(-1.0, 1.0, 8 * 4096 * 64).reshape(8, 4096, 64)
+    f = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+    s = chunkop.sum(f, in_axes=(None, 0), chunk_size=chunk)
+    batched = jax.vmap(lambda x: s(w, x))
+    grad_batched = jax.vmap(jax.grad(lambda x: s(w, x)))
+    inputs = xs.size * 4
+    for program in (batched, grad_batched):
+        temp = jax.jit(program).lower(xs).compile().memory_analysis().temp_size_in_bytes
+        assert temp <= inputs // 4, (program, temp / 2**20)
+    ref = jax.vmap(lambda x: jnp.sum(jax.vmap(f, (None, 0))(w, x)))(xs)
+    terms = jnp.tanh(xs @ w).reshape(8, -1).T  # every summand of each set's sum, along axis 0
+    assert_tree_allclose(batched(xs), ref, terms=terms, depth=64)  # (each a tanh of a 64-term dot)

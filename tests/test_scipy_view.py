@@ -7,7 +7,7 @@ complex->complex, pytrees) and its transpose, real and complex vectors, ``matvec
 (``dtype=np.float64``/``np.complex128``). Then the damped LSMR route in float64 the cookbook
 documents, and the ``dtype`` argument's errors. (The registry's lsqr and pytree checks of
 ``to_scipy`` are in ``test_operator_lineax.py``; the complex adjoint in
-``test_trust_operator.py``.)
+``test_operator_user_state.py``.)
 
 Tolerances follow from the computation: an element of ``M v`` is a sum of ``n`` products
 computed in the operator's dtype, so it may differ from the float64 reference by

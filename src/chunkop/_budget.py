@@ -33,7 +33,8 @@ import numpy as np
 
 from . import _estimate
 from ._axes import check_chunk_size
-from ._cache import Uncacheable, cached_plan, setting_key
+from ._cache import cached_plan
+from ._fingerprint import Uncacheable, setting_key
 from ._memory import MODES, check_mode, default_budget, program_temp_bytes, throughput_cap
 from ._search import BudgetPlan, choose_chunk
 from ._tree import struct_of as _struct

@@ -263,19 +263,32 @@ def _recomputed(run: Callable[..., list]) -> Callable[..., list]:
     return recomputed
 
 
+def _explicit_mesh_context() -> bool:
+    """Whether a ``jax.set_mesh`` context with an Explicit axis is active (at trace time)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
 def _full_chunks(
     chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat, recompute: bool
 ) -> tuple[Any, Callable[[Any], Any]]:
     """What the scan runs over, and the (rematerialised) body applied to one item of it."""
     index = jnp.arange(plan.n_full, dtype=jnp.int32)  # (also the barrier's predicate: never batched)
-    if plan.rem == 0 or remat is False:  # (without remat the residuals cost far more than a copy)
+    # Chunks are read by index from the inputs inside the body: a scan over a reshape
+    # (n_full, chunk, ...) of them would be free alone, but under an enclosing jax.vmap the scan's
+    # batching rule moves the batch axis behind the chunk axis, copying every batched input. Under
+    # an Explicit mesh context a dividing chunk still scans the reshape: there the reverse mode of
+    # the index read (a dynamic_update_slice of an unsharded chunk into a cotangent JAX types as
+    # sharded) fails JAX's sharding checks.
+    reshape = plan.rem == 0 and _explicit_mesh_context()
+    if remat is False or plan.size == 0 or reshape:  # (without remat the residuals cost far more than a copy)
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
         apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)
         return (xs, index), rematerialise(apply, remat, recompute)
 
     def read_and_apply(i: jax.Array) -> Any:
-        start = i * plan.chunk  # in bounds: start + chunk <= n_full * chunk < n, so no clamping
+        start = i * plan.chunk  # in bounds: start + chunk <= n_full * chunk <= n, so no clamping
         chunk = [jax.lax.dynamic_slice_in_dim(x, start, plan.chunk, axis=0) for x in mapped]
         return chunk_fn(fusion_barrier(chunk, key=i), plan.chunk)
 

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 
 from . import _jaxpr
 from ._axes import replace_at
-from ._cache import ClosesOverTracer, Uncacheable, jaxpr_key
+from ._fingerprint import ClosesOverTracer, Uncacheable, jaxpr_key
 from ._tree import is_float as _is_float
 
-__all__ = ["Traced", "trace", "trace_example", "eval_traced"]
+__all__ = ["CollectiveError", "Traced", "trace", "trace_example", "eval_traced"]
 
 _CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vmap_call", "custom_lin")
 
@@ -51,7 +51,7 @@ class Traced(NamedTuple):
             holds something that cannot be keyed safely (the call then runs uncached).
         stageable: False when a custom rule in the jaxpr closes over a tracer of an enclosing
             transform: then the chunks must run without a staging boundary (see
-            :class:`chunkop._cache.ClosesOverTracer`).
+            :class:`chunkop._fingerprint.ClosesOverTracer`).
     """
 
     jaxpr: Any
@@ -154,6 +154,15 @@ def _derivative_jaxprs(closed: Any, env: list) -> list:
     return found
 
 
+class CollectiveError(ValueError):
+    """``fun`` uses a collective over the chunked ``axis_name``: each chunk would see only part of
+    the axis. ``used`` names it (``"the collective `psum` over axis_name='i'"``, and where)."""
+
+    def __init__(self, message: str, used: str):
+        super().__init__(message)
+        self.used = used
+
+
 def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int, where: str) -> None:
     jaxprs = [closed.jaxpr]
     if _jaxpr.has_eqn(closed.jaxpr, _is_custom_rule):
@@ -161,14 +170,16 @@ def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int
     for jaxpr in jaxprs:
         prim = _uses_axis(jaxpr, axis_name)
         if prim is not None:
-            raise ValueError(
-                f"{where}: `fun` uses the collective `{prim}` over axis_name={axis_name!r}"
-                + (" (in a custom_jvp/custom_vjp rule)" if jaxpr is not closed.jaxpr else "")
-                + f", but with chunk_size={chunk_size} < axis size {n} each chunk would see only "
-                f"part of the axis, giving a silently wrong result. Use chunk_size=None (or >= {n}) "
-                f"for collectives, or compute the reduction outside the chunked function (e.g. with "
-                f"chunkop.sum). (Axis-size queries, `lax.axis_size` or `lax.psum` of an unbatched "
-                f"value, are fine.)"
+            used = f"the collective `{prim}` over axis_name={axis_name!r}" + (
+                " (in a custom_jvp/custom_vjp rule)" if jaxpr is not closed.jaxpr else ""
+            )
+            raise CollectiveError(
+                f"{where}: `fun` uses {used}, but with chunk_size={chunk_size} < axis size {n} each "
+                f"chunk would see only part of the axis, giving a silently wrong result. Use "
+                f"chunk_size=None (or >= {n}) for collectives, or compute the reduction outside the "
+                f"chunked function (e.g. with chunkop.sum). (Axis-size queries, `lax.axis_size` or "
+                f"`lax.psum` of an unbatched value, are fine.)",
+                used,
             )
 
 
@@ -394,7 +405,7 @@ def trace(
     Every array the trace reads that is not an argument (closed over, an enclosing transform's
     tracer, a constant of an inner ``jax.jit`` at any depth) is a constant of the returned jaxpr,
     never baked into a sub-jaxpr, so a compiled program keyed by the jaxpr's structure
-    (:func:`chunkop._cache.jaxpr_key`) is reused across new values of those arrays and keeps none
+    (:func:`chunkop._fingerprint.jaxpr_key`) is reused across new values of those arrays and keeps none
     of them alive.
 
     Args:

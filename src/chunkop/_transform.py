@@ -39,11 +39,12 @@ from ._axes import (
     mapped_size,
     replace_at,
 )
-from ._cache import Uncacheable, cached, setting_key
+from ._cache import cached
 from ._chunking import Remat, make_plan
+from ._fingerprint import Uncacheable, setting_key
 from ._loops import KINDS, LoopSpec, finish_sums, make_loop, sum_dtypes
 from ._progress import Progress, check_progress
-from ._trace import Traced, trace_example
+from ._trace import CollectiveError, Traced, trace_example
 from ._tree import has_shape
 
 __all__ = ["BoundChunked", "Chunked"]
@@ -189,17 +190,14 @@ class Chunked:
                 where=self.where,
                 axis_env_size=n,
             )
-        except ValueError as e:
-            if self.axis_name is None or "collective" not in str(e):
-                raise
+        except CollectiveError as e:
             if chunk == "auto":  # chunks would each see part of the axis: unchunked instead
                 self._record(_budget.unchunked_plan(n, self.memory_budget, leaves))
                 return None
             if shards == 1:
                 raise
-            used = str(e).split("`fun` uses ", 1)[-1].split(",", 1)[0]
             raise ValueError(
-                f"{self.where}: `fun` uses {used}, but the mapped inputs are sharded over mesh axes "
+                f"{self.where}: `fun` uses {e.used}, but the mapped inputs are sharded over mesh axes "
                 f"{names} of {shards} devices, so each device would see only its own shard ({local} of "
                 f"{n}) and, with chunk_size={chunk}, only a chunk of it: a silently wrong result. Use "
                 f"chunk_size=None (exactly jax.vmap), replicate the inputs, or compute the "

@@ -41,8 +41,8 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _jaxpr
-from .._cache import Uncacheable, jaxpr_key, setting_key
 from .._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
+from .._fingerprint import Uncacheable, jaxpr_key, setting_key
 from .._progress import Progress
 from .._trace import trace
 from .._tree import dtype_of as _dtype
@@ -62,7 +62,7 @@ class Spec:
     """The static part of an operator: ``row_fn``'s jaxpr and the structures around it.
 
     Hashable, and passed as a static argument of the jitted kernels. Two specs are equal when
-    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._cache.jaxpr_key`, whose
+    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._fingerprint.jaxpr_key`, whose
     constants are variables, plus the structures): then they compute the same function of
     ``(consts, row, x)``, and share compiled kernels. A jaxpr that cannot be fingerprinted gets
     no key: its spec is equal only to itself.
@@ -109,6 +109,26 @@ class Spec:
         """``row_fn`` over a chunk of rows (vmapped over the rows only)."""
         return jax.vmap(self.row_fn, (None, 0, None))(consts, rows_c, x)
 
+    def at(self, chunk_size: int, progress: Progress = None) -> Spec:
+        """The same traced ``row_fn`` at another chunk size and progress setting (no new trace)."""
+        if chunk_size == self.chunk_size and progress is self.progress:
+            return self
+        fingerprint = None if self.key is None else self.key[0]
+        key = _key(fingerprint, chunk_size, self, progress)
+        return dataclasses.replace(self, chunk_size=chunk_size, progress=progress, key=key)
+
+
+def _key(fingerprint: Any, chunk_size: int, spec: Any, progress: Progress) -> Any:
+    """A spec's key: the jaxpr's fingerprint, the chunk size, the structures and the progress
+    setting (None when the jaxpr or the setting cannot be keyed)."""
+    if fingerprint is None:
+        return None
+    try:
+        progress_key = setting_key(progress)
+    except Uncacheable:
+        return None
+    return (fingerprint, chunk_size, spec.in_leaves, spec.in_tree, spec.row_tree, spec.out_tree, progress_key)
+
 
 def make_spec(
     row_fn: Callable, rows: Any, in_structure: Any, chunk_size: int, progress: Progress = None
@@ -135,14 +155,13 @@ def make_spec(
             "rows and closed-over arrays are exact), or apply it only to weights computed from the row."
         )
     out_tree = _tu.tree_structure(out_shape)
-    try:
-        progress_key = setting_key(progress)
-        key = (jaxpr_key(jaxpr), chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, progress_key)
-    except Uncacheable:
-        key = None
     out_leaves = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in _tu.tree_leaves(out_shape))
-    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, key, progress, out_leaves)
-    return spec, tuple(closed.consts)
+    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, None, progress, out_leaves)
+    try:
+        fingerprint = jaxpr_key(jaxpr)
+    except Uncacheable:
+        fingerprint = None
+    return dataclasses.replace(spec, key=_key(fingerprint, chunk_size, spec, progress)), tuple(closed.consts)
 
 
 def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:

@@ -309,15 +309,14 @@ class RowOperator(AbstractRowOperator):
         )
         if chunk_size == "auto" and n_rows == 0:
             chunk_size = 1  # nothing to plan: no row, no chunk
-        if chunk_size == "auto":
-            x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
-            self.budget_plan = row_plan.plan_rows(row_fn, rows, x_struct, memory_budget)
-            chunk_size = self.budget_plan.chunk or n_rows
         self.mesh_axes = row_sharding.row_mesh(rows)
+        x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
         with row_sharding.spec_context(rows):  # rows over devices: trace without a mesh context
-            self.spec, self.consts = kernels.make_spec(
-                row_fn, rows, jax.tree_util.tree_unflatten(in_tree, list(in_leaves)), chunk_size, progress
-            )
+            spec, self.consts = kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
+        if chunk_size == "auto":  # planned on that one trace of row_fn
+            self.budget_plan = row_plan.plan_rows(spec, self.consts, rows, memory_budget)
+            chunk_size = self.budget_plan.chunk or n_rows
+        self.spec = spec.at(chunk_size, progress)
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 

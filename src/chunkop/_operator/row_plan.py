@@ -5,7 +5,8 @@ respect to ``x``/``y``, the float leaves of the rows and the arrays ``row_fn`` c
 compiled at each candidate chunk of the search (:func:`chunkop._search.choose_chunk`). With rows
 sharded over devices, the chunk is planned for one device's shard. The plan is cached per
 traced ``row_fn``, row shapes, budget, cap and backend (:func:`chunkop._cache.cached_plan`), so
-rebuilding an operator with new row values of the same shapes plans nothing.
+rebuilding an operator with new row values of the same shapes plans nothing. ``row_fn`` is
+traced once per build, by the operator: the plan evaluates that trace at every candidate chunk.
 """
 
 from __future__ import annotations
@@ -19,30 +20,24 @@ from .. import _estimate
 from .._budget import check_memory_budget, plan_program
 from .._memory import program_temp_bytes
 from .._search import BudgetPlan
-from .._tree import struct_of as _struct
 from . import kernels
 from .row_sharding import row_mesh
 
 __all__ = ["rows_temp_bytes", "plan_rows"]
 
 
-def _row_programs(row_fn: Callable, rows: Any, in_structure: Any, chunk: int, k: int) -> list:
+def _row_programs(spec: kernels.Spec, rows: Any, chunk: int, k: int) -> list:
     """``mv`` and ``T.mv`` at ``chunk`` rows per chunk, as the planner takes them: ``(fn, at)``
-    over the leaves ``[*consts, *rows, *x, *y]`` (``k`` constants)."""
+    over the leaves ``[*consts, *rows, *x, *y]`` (``k`` constants). ``row_fn`` is not traced
+    again: every candidate chunk evaluates the one traced ``spec``."""
     row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
-    row_structs = [_struct(x) for x in row_leaves]
-    x_leaves, x_tree = jax.tree_util.tree_flatten(in_structure)
-    spec, consts = kernels.make_spec(row_fn, jax.tree_util.tree_unflatten(row_tree, row_structs), in_structure, chunk)
-    r, nx = len(row_structs), len(x_leaves)
-    if len(consts) != k:  # (row_fn closed over different arrays on another trace)
-        raise ValueError(f"RowOperator: row_fn closed over {len(consts)} arrays on this trace, {k} before.")
+    spec = spec.at(chunk)  # (measured without progress reports)
+    x_tree, nx, ny, r = spec.in_tree, len(spec.in_leaves), len(spec.out_leaves), len(row_leaves)
+    y_tree = spec.out_tree
 
     def mv(*flat: Any) -> Any:
         rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
         return kernels.apply(spec, tuple(flat[:k]), rw, jax.tree_util.tree_unflatten(x_tree, flat[k + r :]))
-
-    y_leaves = jax.tree_util.tree_leaves(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
-    y_tree = jax.tree_util.tree_structure(jax.eval_shape(mv, *consts, *row_structs, *x_leaves))
 
     def tmv(*flat: Any) -> Any:
         rw = jax.tree_util.tree_unflatten(row_tree, flat[k : k + r])
@@ -51,19 +46,16 @@ def _row_programs(row_fn: Callable, rows: Any, in_structure: Any, chunk: int, k:
     common = list(range(k + r))
     return [
         (mv, common + list(range(k + r, k + r + nx))),
-        (tmv, common + list(range(k + r + nx, k + r + nx + len(y_leaves)))),
+        (tmv, common + list(range(k + r + nx, k + r + nx + ny))),
     ]
 
 
-def _row_leaves(row_fn: Callable, rows: Any, in_structure: Any) -> tuple[list, int, int, Any]:
-    """The leaves the operator's programs take, ``[*consts, *rows, *x, *y]``; the number of
-    constants and of row leaves; and ``row_fn`` traced on one row (its spec)."""
+def _row_leaves(spec: kernels.Spec, consts: tuple, rows: Any) -> list:
+    """The leaves the operator's programs take, ``[*consts, *rows, *x, *y]``."""
     row_leaves = jax.tree_util.tree_leaves(rows)
-    x_leaves = jax.tree_util.tree_leaves(in_structure)
-    spec, consts = kernels.make_spec(row_fn, rows, in_structure, 1)
     n = int(row_leaves[0].shape[0])
     y_leaves = [jax.ShapeDtypeStruct((n, *o.shape), o.dtype) for o in spec.out_leaves]
-    return [*consts, *row_leaves, *x_leaves, *y_leaves], len(consts), len(row_leaves), spec
+    return [*consts, *row_leaves, *spec.in_leaves, *y_leaves]
 
 
 def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) -> int:
@@ -81,12 +73,13 @@ def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) 
     Returns:
         The largest temp size in bytes among the four compiled programs.
     """
-    leaves, k, _, _ = _row_leaves(row_fn, rows, in_structure)
-    programs = _row_programs(row_fn, rows, in_structure, chunk, k)
+    spec, consts = kernels.make_spec(row_fn, rows, in_structure, chunk)
+    leaves = _row_leaves(spec, consts, rows)
+    programs = _row_programs(spec, rows, chunk, len(consts))
     return max(program_temp_bytes(fn, [leaves[i] for i in at], "grad") for fn, at in programs)
 
 
-def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int | None) -> BudgetPlan:
+def plan_rows(spec: kernels.Spec, consts: tuple, rows: Any, memory_budget: int | None) -> BudgetPlan:
     """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
 
     Plans for :func:`rows_temp_bytes` (the worst of ``mv``, ``T.mv`` and their VJPs), compiled
@@ -99,9 +92,10 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
     the closed-over float arrays (:func:`chunkop._estimate.fixed_bytes`).
 
     Args:
-        row_fn: the per-row function ``row_fn(row, x)``.
+        spec: ``row_fn`` traced when the operator was built (:func:`kernels.make_spec`): the
+            plan evaluates it, never traces ``row_fn`` again.
+        consts: the arrays ``row_fn`` closes over (from the same trace).
         rows: the row pytree (its leading axis is the rows).
-        in_structure: the structure of ``x``.
         memory_budget: the budget in bytes, or None for :func:`chunkop._memory.default_budget`.
 
     Returns:
@@ -119,12 +113,14 @@ def plan_rows(row_fn: Callable, rows: Any, in_structure: Any, memory_budget: int
         rows = jax.tree_util.tree_unflatten(
             row_tree, [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
         )
-    leaves, k, r, spec = _row_leaves(row_fn, rows, in_structure)
+    leaves = _row_leaves(spec, consts, rows)
+    k, r = len(consts), len(row_leaves)
     jaxpr = spec.jaxpr
     x_vars = jaxpr.invars[r:]
-    key = None if spec.key is None else ("rows", spec.key, shards)
+    planned = spec.at(1)  # the key without the chunk size and the progress setting
+    key = None if planned.key is None else ("rows", planned.key, shards)
     plan = plan_program(
-        lambda chunk: _row_programs(row_fn, rows, in_structure, chunk, k),
+        lambda chunk: _row_programs(spec, rows, chunk, k),
         leaves,
         n,
         memory_budget=budget,

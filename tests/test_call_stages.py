@@ -1,4 +1,4 @@
-"""One call pipeline (issue #15): checks -> ``fun`` traced once -> plan -> one compiled loop.
+"""A call's stages: checks -> ``fun`` traced once -> plan -> one compiled loop.
 
 ``chunk_size="auto"`` plans on the program the call runs (the loop built from the one trace of
 ``fun``), so unmapped Python numbers, NumPy tables and shapes reach ``fun`` as under
@@ -62,6 +62,35 @@ def test_fun_is_traced_once_per_call(chunk_size, budget):
         assert f.last_plan.chunk is not None and f.last_plan.chunk < 64  # planned to chunk
     elif budget == 1 << 30:
         assert f.last_plan.chunk is None  # the whole axis fits: one chunk, fun not traced again
+
+
+@pytest.mark.parametrize("budget", [1 << 12, 1 << 30])
+def test_row_fn_is_traced_once_per_build(budget):
+    """A ``RowOperator`` built with ``chunk_size="auto"`` plans on its one trace of ``row_fn``
+    (every candidate chunk evaluates it); the operator is the dense matrix."""
+    traces = []
+    n, npix = 200, 64
+    idx = (jnp.arange(n * 4, dtype=jnp.int32) * 7 % npix).reshape(n, 4)
+    w = jnp.linspace(0.5, 1.5, n * 4).reshape(n, 4)
+
+    def row_fn(r, x):
+        traces.append(1)
+        return jnp.dot(jnp.exp(-r["w"]), x[r["idx"]])
+
+    rows = {"idx": idx, "w": w}
+    A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((npix,), jnp.float32), memory_budget=budget)
+    assert len(traces) == 1, f"row_fn traced {len(traces)} times in one build"
+    chunkop.clear_caches()
+    traces.clear()
+    chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((npix,), jnp.float32), memory_budget=budget)
+    assert len(traces) == 1, f"row_fn traced {len(traces)} times in one build that planned again"
+    if budget == 1 << 12:
+        assert A.chunk_size < n, A.chunk_size  # planned to chunk
+    M = np.zeros((n, npix), np.float32)
+    np.add.at(M, (np.repeat(np.arange(n), 4), np.asarray(idx).ravel()), np.exp(-np.asarray(w)).ravel())
+    x = jnp.linspace(-1.0, 1.0, npix)
+    assert_tree_allclose(A.mv(x), M @ np.asarray(x), n_terms=4)
+    assert_tree_allclose(A.T.mv(jnp.ones(n)), M.T @ np.ones(n, np.float32), terms=M)  # column sums
 
 
 def _temp(fn, *args):
@@ -166,6 +195,12 @@ def test_custom_vjp_closing_over_the_mapped_value_on_concrete_arguments():
         return f(3.0)
 
     xs = jnp.arange(5.0)
+    if jax.config.jax_custom_vjp3:  # JAX refuses a custom_vjp closing over a tracer: jax.vmap too
+        with pytest.raises(jax.errors.UnexpectedTracerError, match="custom_vjp"):
+            jax.vmap(g)(xs)
+        with pytest.raises(jax.errors.UnexpectedTracerError, match="custom_vjp"):
+            chunkop.vmap(g, chunk_size=2)(xs)
+        return
     np.testing.assert_array_equal(chunkop.vmap(g, chunk_size=2)(xs), jax.vmap(g)(xs))  # x * 3.0: exact
     np.testing.assert_array_equal(jax.jit(chunkop.vmap(g, chunk_size=2))(xs), jax.vmap(g)(xs))
 

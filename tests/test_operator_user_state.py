@@ -1,4 +1,4 @@
-"""``RowOperator`` gives the dense matrix's results whatever the user's state does (issue #11).
+"""``RowOperator`` gives the dense matrix's results whatever the user's state does.
 
 State changes between builds (globals, attributes, bound methods, equal-comparing callables,
 replaced closed-over arrays) are always seen, by ``mv``, ``T.mv`` and derivatives alike; a

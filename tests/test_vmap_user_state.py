@@ -1,4 +1,4 @@
-"""Trust: the chunked transforms give ``jax.vmap``'s result *every* time.
+"""User state: the chunked transforms give ``jax.vmap``'s result *every* time.
 
 State is mutated between calls (object attributes, module globals, closed-over arrays, bound
 methods, callables that compare equal) and every result is compared with ``jax.vmap`` (or
@@ -382,7 +382,7 @@ def test_clear_caches():
 
 
 def test_distinct_checkpoint_policies_are_distinct_keys():
-    from chunkop._cache import callable_key
+    from chunkop._fingerprint import callable_key
 
     a = jax.checkpoint_policies.save_only_these_names("a")
     b = jax.checkpoint_policies.save_only_these_names("b")
@@ -498,7 +498,7 @@ def test_map_errors_name_only_its_own_arguments():
 
 
 def _key(f, *args):
-    from chunkop._cache import jaxpr_key
+    from chunkop._fingerprint import jaxpr_key
 
     return jaxpr_key(jax.make_jaxpr(f)(*args).jaxpr)
 
