@@ -280,8 +280,8 @@ def _full_chunks(
     # an Explicit mesh context a dividing chunk still scans the reshape: there the reverse mode of
     # the index read (a dynamic_update_slice of an unsharded chunk into a cotangent JAX types as
     # sharded) fails JAX's sharding checks.
-    reshape = plan.rem == 0 and _explicit_mesh_context()
-    if remat is False or plan.size == 0 or reshape:  # (without remat the residuals cost far more than a copy)
+    # Without remat the residuals cost far more than a copy; an empty axis has no chunk to read.
+    if remat is False or plan.size == 0 or (plan.rem == 0 and _explicit_mesh_context()):
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
         apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)

@@ -19,9 +19,9 @@ module; held through a weak reference, together with what they close over, by va
 callback is called when the program runs, so what it reads then is never stale. A callable made
 per call (a lambda, a closure, a callable object) can only be keyed by identity, so such a call
 runs uncached: a cached loop would keep it and what it closes over alive. Floats are keyed by
-their bits (``0.0`` and ``-0.0`` differ, ``nan`` matches itself). Anything that cannot be keyed safely (a large array
-baked into a sub-jaxpr or a rule, an unhashable parameter) makes the call run uncached: correct,
-compiled afresh, and never kept. The caches that hold what is keyed: :mod:`chunkop._cache`.
+their bits (``0.0`` and ``-0.0`` differ, ``nan`` matches itself). Anything that cannot be keyed
+safely (a large array baked into a sub-jaxpr or a rule, an unhashable parameter) makes the call
+run uncached: correct, compiled afresh, and never kept. The caches that hold what is keyed: :mod:`chunkop._cache`.
 """
 
 from __future__ import annotations

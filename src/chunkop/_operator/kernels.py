@@ -62,8 +62,8 @@ class Spec:
     """The static part of an operator: ``row_fn``'s jaxpr and the structures around it.
 
     Hashable, and passed as a static argument of the jitted kernels. Two specs are equal when
-    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._fingerprint.jaxpr_key`, whose
-    constants are variables, plus the structures): then they compute the same function of
+    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._fingerprint.jaxpr_key`,
+    whose constants are variables, plus the structures): then they compute the same function of
     ``(consts, row, x)``, and share compiled kernels. A jaxpr that cannot be fingerprinted gets
     no key: its spec is equal only to itself.
     """
@@ -76,9 +76,29 @@ class Spec:
     in_tree: Any  # x's treedef
     row_tree: Any  # a row's treedef
     out_tree: Any  # a row's output treedef
-    key: Any = dataclasses.field(default=None, repr=False)
+    fingerprint: Any = dataclasses.field(default=None, repr=False)  # jaxpr_key(jaxpr), None if it has none
     progress: Progress = dataclasses.field(default=None, repr=False)  # reported by every kernel's loop
     out_leaves: tuple = dataclasses.field(default=(), repr=False)  # ShapeDtypeStructs of one row's output leaves
+
+    @functools.cached_property
+    def key(self) -> Any:
+        """The jaxpr's fingerprint, the chunk size, the structures and the progress setting (None
+        when the jaxpr or the setting cannot be keyed)."""
+        if self.fingerprint is None:
+            return None
+        try:
+            progress_key = setting_key(self.progress)
+        except Uncacheable:
+            return None
+        return (
+            self.fingerprint,
+            self.chunk_size,
+            self.in_leaves,
+            self.in_tree,
+            self.row_tree,
+            self.out_tree,
+            progress_key,
+        )
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -113,21 +133,7 @@ class Spec:
         """The same traced ``row_fn`` at another chunk size and progress setting (no new trace)."""
         if chunk_size == self.chunk_size and progress is self.progress:
             return self
-        fingerprint = None if self.key is None else self.key[0]
-        key = _key(fingerprint, chunk_size, self, progress)
-        return dataclasses.replace(self, chunk_size=chunk_size, progress=progress, key=key)
-
-
-def _key(fingerprint: Any, chunk_size: int, spec: Any, progress: Progress) -> Any:
-    """A spec's key: the jaxpr's fingerprint, the chunk size, the structures and the progress
-    setting (None when the jaxpr or the setting cannot be keyed)."""
-    if fingerprint is None:
-        return None
-    try:
-        progress_key = setting_key(progress)
-    except Uncacheable:
-        return None
-    return (fingerprint, chunk_size, spec.in_leaves, spec.in_tree, spec.row_tree, spec.out_tree, progress_key)
+        return dataclasses.replace(self, chunk_size=chunk_size, progress=progress)
 
 
 def make_spec(
@@ -156,12 +162,12 @@ def make_spec(
         )
     out_tree = _tu.tree_structure(out_shape)
     out_leaves = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in _tu.tree_leaves(out_shape))
-    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, None, progress, out_leaves)
     try:
         fingerprint = jaxpr_key(jaxpr)
     except Uncacheable:
         fingerprint = None
-    return dataclasses.replace(spec, key=_key(fingerprint, chunk_size, spec, progress)), tuple(closed.consts)
+    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, fingerprint, progress, out_leaves)
+    return spec, tuple(closed.consts)
 
 
 def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:

@@ -117,7 +117,7 @@ def plan_rows(spec: kernels.Spec, consts: tuple, rows: Any, memory_budget: int |
     k, r = len(consts), len(row_leaves)
     jaxpr = spec.jaxpr
     x_vars = jaxpr.invars[r:]
-    planned = spec.at(1)  # the key without the chunk size and the progress setting
+    planned = spec.at(1)  # keyed without the operator's chunk size and progress setting
     key = None if planned.key is None else ("rows", planned.key, shards)
     plan = plan_program(
         lambda chunk: _row_programs(spec, rows, chunk, k),
