@@ -53,6 +53,13 @@ def rng():
     return np.random.default_rng(0)
 
 
+def temp_bytes(fn, *args) -> int:
+    """The temp memory XLA reports for ``jax.jit(fn)`` compiled on ``args`` (deterministic on CPU)."""
+    import jax
+
+    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
 def make_los_rows(n: int, npix: int, seed: int = 0) -> dict:
     """Line-of-sight row data: ``operator_registry.make_los_rows`` (imported when first called, so
     that importing this module creates no JAX arrays)."""

@@ -11,17 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose, make_los_rows, primitive_names
+from conftest import assert_tree_allclose, make_los_rows, primitive_names, temp_bytes
 
 import chunkop
 from chunkop import _memory, _search
 from chunkop._operator import row_plan as _operator_plan
 
 MiB = 2**20
-
-
-def temp_bytes(fn, *args) -> int:
-    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
 def mlp(w, x):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, temp_bytes
 
 import chunkop
 
@@ -93,10 +93,6 @@ def test_row_fn_is_traced_once_per_build(budget):
     assert_tree_allclose(A.T.mv(jnp.ones(n)), M.T @ np.ones(n, np.float32), terms=M)  # column sums
 
 
-def _temp(fn, *args):
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
 def test_auto_counts_an_enclosing_vmap_against_the_budget():
     """NIFTy.re vmaps the response over samples: 16 samples share one budget."""
     budget = 1 << 22
@@ -105,7 +101,7 @@ def test_auto_counts_an_enclosing_vmap_against_the_budget():
     )
     xs, ws = jnp.ones((4096, 8)), jnp.ones((16, 64))
     batched = jax.vmap(g, in_axes=(None, 0))
-    temp = _temp(batched, xs, ws)
+    temp = temp_bytes(batched, xs, ws)
     assert temp <= budget, f"{temp / 2**20:.1f} MiB under a 16-sample vmap, budget {budget / 2**20:.0f} MiB"
     np.testing.assert_allclose(
         batched(xs, ws), jax.vmap(lambda w: jnp.sin(jnp.einsum("i,nj->nij", w, xs)).sum())(ws), rtol=1e-4

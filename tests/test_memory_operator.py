@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import temp_bytes
 from operator_registry import make_los
 
 NPIX, K, CHUNK = 20000, 256, 4096
@@ -62,17 +63,13 @@ def functions(chunked, chunk=CHUNK):
     }
 
 
-def temp_bytes(fn, args) -> int:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
 NAMES = ["mv", "T", "grad_x", "grad_s", "hvp_x", "grad_T"]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_chunked_temp_memory_does_not_grow_with_n_times_k(name):
     fn, args = functions(True)[name]
-    small, big = temp_bytes(fn, args(N_SMALL)), temp_bytes(fn, args(N_BIG))
+    small, big = temp_bytes(fn, *args(N_SMALL)), temp_bytes(fn, *args(N_BIG))
     growth = big - small
     per_line = 4 * 4  # a few float32 per line (e.g. the residual); the weights would be K * 4
     assert growth <= (N_BIG - N_SMALL) * per_line + 1 * MiB, (
@@ -87,7 +84,7 @@ def test_chunked_temp_memory_does_not_grow_with_n_times_k(name):
 def test_chunk_not_dividing_n_still_does_not_grow_with_n_times_k(name):
     fn, args = functions(True)[name]
     n_odd = N_BIG + 1000
-    growth = temp_bytes(fn, args(n_odd)) - temp_bytes(fn, args(N_SMALL))
+    growth = temp_bytes(fn, *args(n_odd)) - temp_bytes(fn, *args(N_SMALL))
     # copies of the rows (3 x 4 bytes, sliced off before the reshape into chunks) and of the
     # residual/output (4 bytes) per line: measured ~30 bytes per line; the weights are K * 4 = 1 KiB
     assert growth <= (n_odd - N_SMALL) * 12 * 4 + 1 * MiB, f"{name}: grew {growth / MiB:.2f} MiB"
@@ -97,12 +94,12 @@ def test_chunk_not_dividing_n_still_does_not_grow_with_n_times_k(name):
 def test_unchunked_reference_does_grow(name):
     """The measurement can fail: ``jax.vmap`` holds ``n x K`` weights (or gathered sky values)."""
     fn, args = functions(False)[name]
-    growth = temp_bytes(fn, args(N_BIG)) - temp_bytes(fn, args(N_SMALL))
+    growth = temp_bytes(fn, *args(N_BIG)) - temp_bytes(fn, *args(N_SMALL))
     assert growth >= (N_BIG - N_SMALL) * K * 4, f"{name}: reference grew only {growth / MiB:.2f} MiB"
 
 
 def test_temp_memory_scales_with_the_chunk():
     """The chunked temp is a few chunks of weights: doubling the chunk adds at least one chunk."""
-    t1 = temp_bytes(functions(True, CHUNK)["grad_s"][0], functions(True)["grad_s"][1](N_SMALL))
-    t2 = temp_bytes(functions(True, 2 * CHUNK)["grad_s"][0], functions(True)["grad_s"][1](N_SMALL))
+    t1 = temp_bytes(functions(True, CHUNK)["grad_s"][0], *functions(True)["grad_s"][1](N_SMALL))
+    t2 = temp_bytes(functions(True, 2 * CHUNK)["grad_s"][0], *functions(True)["grad_s"][1](N_SMALL))
     assert t2 - t1 >= CHUNK * K * 4, f"{t1 / MiB:.2f} -> {t2 / MiB:.2f} MiB"

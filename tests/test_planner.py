@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_tree_allclose
+from conftest import assert_tree_allclose, temp_bytes
 
 import chunkop
 from chunkop import _budget, _estimate, _memory, _search
@@ -26,10 +26,6 @@ from chunkop._operator import kernels
 from chunkop._operator import row_plan as _row_plan
 
 MiB = 2**20
-
-
-def temp_bytes(fn, *args) -> int:
-    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
 
 
 # -- the enclosing batch -------------------------------------------------------------------------
