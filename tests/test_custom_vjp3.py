@@ -12,6 +12,8 @@ with the flag off. The flag is restored after each test.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -250,6 +252,66 @@ def test_row_operator_x_derivatives(custom_vjp3):
     assert_tree_allclose(jax.grad(lambda x: jnp.sum(A.mv(x) ** 2))(x), jax.grad(lambda x: jnp.sum(mv(x) ** 2))(x))
     mvT = lambda y: jax.linear_transpose(mv, x)(y)[0]
     assert_tree_allclose(jax.grad(lambda y: jnp.sum(A.T.mv(y) ** 2))(y), jax.grad(lambda y: jnp.sum(mvT(y) ** 2))(y))
+
+
+def test_row_operator_rows_and_consts_derivatives(custom_vjp3):
+    """Derivatives w.r.t. the rows and the closed-over arrays, where row_fn's weights go through a
+    custom_vjp with residuals (its backward rule is linear in the cotangent): grad of ``mv`` and
+    ``T.mv``, forward mode, a second derivative and vmap over row sets, against jax.vmap (which
+    RowOperator transposes the backward rule for: kernels._jvp)."""
+    softplus = softplus_with_residuals()
+    n, npix = 11, 6
+    rng = np.random.default_rng(1)
+    idx = jnp.asarray(rng.integers(0, npix, n), jnp.int32)
+    s, x, y = _rand(n, seed=9), _rand(npix, 3, seed=10), _rand(n, seed=11)
+    struct = jax.ShapeDtypeStruct((npix, 3), jnp.float32)
+
+    def both(s, p):
+        row_fn = lambda r, x: jnp.sum(softplus(r["s"] * p * jnp.arange(3.0)) * x[r["idx"]])
+        rows = {"idx": idx, "s": s}
+        A = chunkop.RowOperator(row_fn, rows, struct, chunk_size=4)  # chunks 4+4+3
+        ref = lambda x: jax.vmap(row_fn, (0, None))(rows, x)
+        return A, ref
+
+    def chunked(s, p):
+        A = both(s, p)[0]
+        return jnp.sum(jnp.cos(A.mv(x))) + jnp.sum(A.T.mv(y) ** 2)
+
+    def plain(s, p):
+        ref = both(s, p)[1]
+        return jnp.sum(jnp.cos(ref(x))) + jnp.sum(jax.linear_transpose(ref, x)(y)[0] ** 2)
+
+    p = jnp.float32(0.7)
+    ds, S = _rand(n, seed=12), jnp.stack([s, 2 * s])
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def derivatives(loss):  # forward mode: JAX refuses it through a custom_vjp (see below)
+        fwd = jax.jvp(lambda s: loss(s, p), (s,), (ds,)) if loss is chunked else None
+        return (
+            jax.grad(loss, (0, 1))(s, p),
+            jax.jacrev(jax.grad(loss, 1), 0)(s, p),
+            jax.vmap(jax.grad(loss), (0, None))(S, p),
+            fwd,
+        )
+
+    (g, h, gv, fwd), (g_ref, h_ref, gv_ref, _) = derivatives(chunked), derivatives(plain)
+    assert_tree_allclose((g, gv), (g_ref, gv_ref), **TOL)
+    assert_tree_allclose(h, h_ref, **TOL2)
+    assert_tree_allclose(fwd, (plain(s, p), jnp.vdot(g_ref[0], ds)), **TOL)  # value and grad . ds
+
+
+def test_row_operator_rows_derivative_with_a_non_linear_backward_rule_is_a_clear_error(custom_vjp3):
+    """A backward rule that clips the cotangent cannot be transposed: the error says what is needed."""
+    clip = clip_gradient(-0.5, 0.5)
+    rows = {"idx": jnp.array([0, 2, 1]), "s": jnp.array([1.0, 2.0, 0.5])}
+    row_fn = lambda r, x: jnp.sum(clip(r["s"] * jnp.arange(3.0)) * x[r["idx"]])
+
+    def loss(s):
+        A = chunkop.RowOperator(row_fn, {**rows, "s": s}, jax.ShapeDtypeStruct((3, 3), jnp.float32), chunk_size=2)
+        return jnp.sum(A.mv(jnp.ones((3, 3))) ** 2)
+
+    with pytest.raises(NotImplementedError, match="backward rule to be linear in its cotangent"):
+        jax.grad(loss)(rows["s"])
 
 
 def _temp_bytes(chunk, flag):

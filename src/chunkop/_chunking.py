@@ -228,7 +228,7 @@ def rematerialise(fn: Callable, remat: Remat, recompute_custom_vjp: bool = False
 def _checkpoint_breaks_custom_vjp() -> bool:
     """Whether ``jax.checkpoint`` cannot be differentiated around ``jax.vmap`` of a ``custom_vjp``:
     ``jax_custom_vjp3`` on and ``jax_remat3`` (whose checkpoint can) off."""
-    return bool(getattr(jax.config, "jax_custom_vjp3", False)) and not getattr(jax.config, "jax_remat3", False)
+    return _jaxpr.custom_vjp3() and not getattr(jax.config, "jax_remat3", False)
 
 
 def _recomputed(run: Callable[..., list]) -> Callable[..., list]:

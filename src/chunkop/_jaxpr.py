@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 from jax._src import source_info_util as _source_info  # no public form of eval_jaxpr's per-equation context
 from jax.extend import core as _ext
 
@@ -69,6 +70,11 @@ def find_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> Any:
 def has_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> bool:
     """Whether ``jaxpr`` has, at any depth, an equation for which ``test(eqn)`` holds."""
     return find_eqn(jaxpr, test) is not None
+
+
+def custom_vjp3() -> bool:
+    """Whether JAX's ``jax_custom_vjp3`` flag (its next ``custom_vjp`` implementation) is on."""
+    return bool(getattr(jax.config, "jax_custom_vjp3", False))
 
 
 def is_custom_vjp(eqn: Any) -> bool:

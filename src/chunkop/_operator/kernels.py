@@ -125,6 +125,11 @@ class Spec:
         out = jax.core.eval_jaxpr(self.jaxpr, list(consts), *row_leaves, *_tu.tree_leaves(x))
         return _tu.tree_unflatten(self.out_tree, out)
 
+    @functools.cached_property
+    def calls_custom_vjp(self) -> bool:
+        """Whether ``row_fn`` calls a ``jax.custom_vjp`` function (at any depth)."""
+        return _jaxpr.has_eqn(self.jaxpr, _jaxpr.is_custom_vjp)
+
     def vrow_fn(self, consts: Any, rows_c: Any, x: Any) -> Any:
         """``row_fn`` over a chunk of rows (vmapped over the rows only)."""
         return jax.vmap(self.row_fn, (None, 0, None))(consts, rows_c, x)
@@ -249,6 +254,42 @@ def _tangent(primal: Any, tangent: Any) -> Any:
     )
 
 
+def _jvp(spec: Spec, fn: Callable, primals: tuple, tangents: tuple) -> Any:
+    """The JVP ``d fn(primals) . tangents`` of a function built from ``spec.row_fn``.
+
+    ``jax.jvp``; except where ``row_fn`` calls a ``jax.custom_vjp`` function under JAX's
+    ``jax_custom_vjp3``. That flag refuses forward mode through such a function, and JAX 0.10
+    cannot ``jax.linearize`` it either (nor batch ``linear_call``), so there the JVP is the
+    transpose of ``fn``'s VJP: JAX transposes it back to that VJP when the operator is
+    differentiated in reverse mode. It needs the ``custom_vjp``'s backward rule to be linear in
+    its cotangent (transposable); one that is not (e.g. clipping the cotangent) gets an error
+    that says so.
+    """
+    if not (_jaxpr.custom_vjp3() and spec.calls_custom_vjp):
+        return jax.jvp(fn, primals, tangents)[1]
+    leaves, tree = _tu.tree_flatten(primals)
+    floats = [i for i, p in enumerate(leaves) if _is_float(p)]
+
+    def of_floats(*float_leaves: Any) -> Any:
+        full = list(leaves)
+        for i, p in zip(floats, float_leaves):
+            full[i] = p
+        return fn(*_tu.tree_unflatten(tree, full))
+
+    out, vjp_fn = jax.vjp(of_floats, *(leaves[i] for i in floats))
+    tangent_leaves = _tu.tree_leaves(tangents)
+    try:
+        return jax.linear_transpose(vjp_fn, out)(tuple(tangent_leaves[i] for i in floats))[0]
+    except NotImplementedError as e:
+        raise NotImplementedError(
+            "RowOperator: differentiating w.r.t. `rows` or the arrays `row_fn` closes over, where"
+            " `row_fn` calls a jax.custom_vjp function, needs (under JAX's jax_custom_vjp3) that"
+            " function's backward rule to be linear in its cotangent: chunkop transposes it, since"
+            f" JAX 0.10 offers no forward mode through it. Transposing it failed: {e}. Derivatives"
+            " w.r.t. the operator's input work either way, as does everything with the flag off."
+        ) from e
+
+
 def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
     """``y_i = row_fn(row_i, x)``, stacked over rows."""
 
@@ -280,7 +321,7 @@ def forward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any
         rows_c, drows_c = chunk
         consts, dconsts, x = unmapped
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
-        return jax.jvp(lambda c, r: spec.vrow_fn(c, r, x), (consts, rows_c), tangents)[1]
+        return _jvp(spec, lambda c, r: spec.vrow_fn(c, r, x), (consts, rows_c), tangents)
 
     return _chunk_loop(per_chunk, (rows, drows), (consts, dconsts, x), spec)
 
@@ -292,7 +333,7 @@ def backward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: An
         rows_c, drows_c, y_c = chunk
         consts, dconsts = unmapped
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
-        return jax.jvp(lambda c, r: _transpose_chunk(spec, c, r, y_c, split=False), (consts, rows_c), tangents)[1]
+        return _jvp(spec, lambda c, r: _transpose_chunk(spec, c, r, y_c, split=False), (consts, rows_c), tangents)
 
     return _chunk_loop(per_chunk, (rows, drows, y), (consts, dconsts), spec, sum_like=spec.in_structure())
 
