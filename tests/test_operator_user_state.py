@@ -18,6 +18,7 @@ import lineax as lx
 import numpy as np
 import pytest
 import scipy.sparse.linalg as spla
+from _params import grid
 from conftest import assert_tree_allclose
 from operator_registry import (
     NPIX,
@@ -214,23 +215,25 @@ def _ref_loss(scale, kind="mv"):
     return jnp.sum(jnp.sin(ref))
 
 
+_TRANSFORMS = {
+    "grad": lambda f: jax.grad(f)(2.0),
+    "jit_grad": lambda f: jax.jit(jax.grad(f))(2.0),
+    "jvp": lambda f: jax.jvp(f, (2.0,), (1.0,))[1],
+    "jacfwd": lambda f: jax.jacfwd(f)(2.0),
+    "vmap_grad": lambda f: jax.vmap(jax.grad(f))(jnp.asarray([1.0, 2.0])),
+    "hessian": lambda f: jax.hessian(f)(2.0),
+    "jit": lambda f: jax.jit(f)(2.0),
+    "vmap": lambda f: jax.vmap(f)(jnp.asarray([1.0, 3.0])),
+}
+
+
+# every transform, of mv or of T.mv (both for the second derivatives)
 @pytest.mark.parametrize(
-    "transform",
-    [
-        lambda f: jax.grad(f)(2.0),
-        lambda f: jax.jit(jax.grad(f))(2.0),
-        lambda f: jax.jvp(f, (2.0,), (1.0,))[1],
-        lambda f: jax.jacfwd(f)(2.0),
-        lambda f: jax.vmap(jax.grad(f))(jnp.asarray([1.0, 2.0])),
-        lambda f: jax.hessian(f)(2.0),
-        lambda f: jax.jit(f)(2.0),
-        lambda f: jax.vmap(f)(jnp.asarray([1.0, 3.0])),
-    ],
-    ids=["grad", "jit_grad", "jvp", "jacfwd", "vmap_grad", "hessian", "jit", "vmap"],
+    ("name", "kind"), grid(list(_TRANSFORMS), ["mv", "T"], strength=1, keep=lambda n, k: n == "hessian", ids=str)
 )
-@pytest.mark.parametrize("kind", ["mv", "T"])
-def test_closure_over_traced_value(transform, kind):
+def test_closure_over_traced_value(name, kind):
     """Was UnexpectedTracerError; now the derivative w.r.t. the closed-over value is right."""
+    transform = _TRANSFORMS[name]
     got = transform(lambda s: _loss(s, kind))
     want = transform(lambda s: _ref_loss(s, kind))
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-5)
