@@ -68,6 +68,7 @@ def _in_fun(where: str, inner):
 
 
 FUN_DEPTHS = ["top", "checkpoint", "cond", "scan", "jit", "while", "checkpoint-cond-scan-jit"]
+COMPOSED = {"checkpoint", "cond", "scan", "jit"}  # the levels of "checkpoint-cond-scan-jit"
 
 
 def _released(refs: list) -> bool:
@@ -109,7 +110,8 @@ def _eager_step(where: str, step: int, reference) -> tuple[int, weakref.ref]:
     return counter.count, weakref.ref(p)
 
 
-@pytest.mark.parametrize("where", FUN_DEPTHS)
+# "checkpoint-cond-scan-jit" nests the four single-level cases, which run under -m slow
+@pytest.mark.parametrize("where", [pytest.param(w, marks=[pytest.mark.slow] * (w in COMPOSED)) for w in FUN_DEPTHS])
 def test_eager_training_loop_compiles_once_and_keeps_no_parameter(where):
     reference = _reference(where, differentiable=where != "while")  # no reverse mode through a while_loop
     compiles, refs = zip(*[_eager_step(where, step, reference) for step in range(STEPS)])
