@@ -49,14 +49,15 @@ def grid(
     if len(axes) < 2 or not 1 <= strength <= len(axes):
         raise ValueError(f"grid: needs two or more axes and 1 <= strength <= {len(axes)}, got {len(axes)}, {strength}")
     indices = list(itertools.product(*(range(len(a)) for a in axes)))
-    needed = set().union(*(_covered(row, strength) for row in indices))
+    covers = {row: _covered(row, strength) for row in indices}
+    needed = set().union(*covers.values())
     kept = {row for row in indices if keep is not None and keep(*(axis[i] for axis, i in zip(axes, row)))}
     for row in kept:
-        needed -= _covered(row, strength)
+        needed -= covers[row]
     while needed:
-        best = max(indices, key=lambda row: (len(_covered(row, strength) & needed), -indices.index(row)))
+        best = max(indices, key=lambda row: len(covers[row] & needed))  # the first of equals
         kept.add(best)
-        needed -= _covered(best, strength)
+        needed -= covers[best]
     params = []
     for row in indices:
         values = tuple(axis[i] for axis, i in zip(axes, row))

@@ -266,19 +266,17 @@ def test_row_operator_rows_and_consts_derivatives(custom_vjp3):
     s, x, y = _rand(n, seed=9), _rand(npix, 3, seed=10), _rand(n, seed=11)
     struct = jax.ShapeDtypeStruct((npix, 3), jnp.float32)
 
-    def both(s, p):
+    def row_fn_and_rows(s, p):
         row_fn = lambda r, x: jnp.sum(softplus(r["s"] * p * jnp.arange(3.0)) * x[r["idx"]])
-        rows = {"idx": idx, "s": s}
-        A = chunkop.RowOperator(row_fn, rows, struct, chunk_size=4)  # chunks 4+4+3
-        ref = lambda x: jax.vmap(row_fn, (0, None))(rows, x)
-        return A, ref
+        return row_fn, {"idx": idx, "s": s}
 
     def chunked(s, p):
-        A = both(s, p)[0]
+        A = chunkop.RowOperator(*row_fn_and_rows(s, p), struct, chunk_size=4)  # chunks 4+4+3
         return jnp.sum(jnp.cos(A.mv(x))) + jnp.sum(A.T.mv(y) ** 2)
 
     def plain(s, p):
-        ref = both(s, p)[1]
+        row_fn, rows = row_fn_and_rows(s, p)
+        ref = lambda x: jax.vmap(row_fn, (0, None))(rows, x)
         return jnp.sum(jnp.cos(ref(x))) + jnp.sum(jax.linear_transpose(ref, x)(y)[0] ** 2)
 
     p = jnp.float32(0.7)

@@ -6,6 +6,8 @@ Deterministic (``derandomize=True``, no example database) and small (25 examples
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +88,12 @@ def test_values_and_grads_match_jax_vmap(p):
     # values and gradients of each side in one jitted call (one compile, not one per operation)
     out_shape = jax.eval_shape(ref_f, *args)
     cotangent = jax.tree.map(lambda o: rng.normal(size=o.shape).astype(np.float32), out_shape)
-    value_and_vjp = jax.jit(lambda f, *a: (lambda out, vjp: (out, vjp(cotangent)))(*jax.vjp(f, *a)), static_argnums=0)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def value_and_vjp(f, *a):
+        out, vjp = jax.vjp(f, *a)
+        return out, vjp(cotangent)
+
     (ref_out, ref_grads), (got_out, got_grads) = value_and_vjp(ref_f, *args), value_and_vjp(got_f, *args)
     # fun's longest sum: s, over the elements of one example's arguments
     assert_tree_allclose(got_out, ref_out, n_terms=sum(int(np.prod(s)) for s in p["shapes"]))
