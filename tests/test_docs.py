@@ -3,7 +3,11 @@ entry for every public name (the site renders it from the docstrings, see tests/
 and every docstring example of the public API passes doctest.
 
 Markdown snippets run file by file, in order, in one fresh namespace per file (a block may use
-names defined by an earlier block of the same file); docs/cookbook.md's blocks run in
+names defined by an earlier block of the same file). A long file may split into parts at lines
+``<!-- test: new part -->`` (an HTML comment: invisible on the site): each part runs in its own
+namespace (its own test, so the parts run in parallel) after the file's preamble, the blocks
+before its first ``## `` heading; a part must not use names defined in another part.
+docs/cookbook.md's blocks run in
 tests/test_cookbook.py instead (timed, and not twice). Code that is not meant to run must use
 another fence language (```text, ```bash, ```pycon). A file whose blocks need an optional
 dependency says so on a line ``<!-- requires: module -->``; its blocks are skipped when the module
@@ -27,6 +31,8 @@ MARKDOWN = sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"]
 _BLOCK = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 _OPENING = re.compile(r"^[ \t]*```+[ \t]*python\b", re.MULTILINE)
 _REQUIRES = re.compile(r"^<!-- requires: ([\w.]+) -->$", re.MULTILINE)
+_PART = re.compile(r"^<!-- test: new part -->$", re.MULTILINE)
+_H2 = re.compile(r"^## ", re.MULTILINE)
 PUBLIC = [name for name in chunkop.__all__ if name != "__version__"]
 RUN_ELSEWHERE = {"cookbook.md"}  # tests/test_cookbook.py
 
@@ -58,12 +64,48 @@ def test_every_python_fence_is_extracted(path):
     )
 
 
-@pytest.mark.parametrize("path", [p for p in MARKDOWN if p.name not in RUN_ELSEWHERE], ids=lambda p: p.name)
-def test_markdown_python_blocks_run(path):
+def _line_of(text: str, match: re.Match | None) -> float:
+    return text.count("\n", 0, match.start()) + 1 if match else float("inf")
+
+
+def python_parts(path: Path) -> list[list[tuple[int, str]]]:
+    """The blocks of ``path`` to run, one list per part (see the module docstring)."""
+    text = path.read_text()
+    blocks = python_blocks(path)
+    starts = [_line_of(text, m) for m in _PART.finditer(text)]
+    if not starts:
+        return [blocks]
+    preamble_end = _line_of(text, _H2.search(text))
+    preamble = [b for b in blocks if b[0] < preamble_end]
+    bounds = [preamble_end, *starts, float("inf")]
+    return [preamble + [b for b in blocks if lo <= b[0] < hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+_PAGE_PARTS = [
+    pytest.param(path, i, id=path.name if len(parts) == 1 else f"{path.name}:{i + 1}")
+    for path in MARKDOWN
+    if path.name not in RUN_ELSEWHERE
+    for parts in [python_parts(path)]
+    for i in range(len(parts))
+]
+
+
+def test_parts_cover_every_block():
+    """A split page runs each block once, its preamble first in every part."""
+    for path in MARKDOWN:
+        parts, blocks = python_parts(path), python_blocks(path)
+        preamble = [b for b in parts[0] if all(b in part for part in parts)] if len(parts) > 1 else []
+        assert all(part[: len(preamble)] == preamble for part in parts), path.name
+        rest = [b for part in parts for b in part[len(preamble) :]]
+        assert sorted(preamble + rest) == sorted(blocks), path.name
+
+
+@pytest.mark.parametrize(("path", "part"), _PAGE_PARTS)
+def test_markdown_python_blocks_run(path, part):
     for module in _REQUIRES.findall(path.read_text()):
         pytest.importorskip(module)
     namespace: dict = {"__name__": f"docs.{path.stem}"}
-    for line, code in python_blocks(path):
+    for line, code in python_parts(path)[part]:
         # Pad with newlines so that tracebacks point at the line of the .md file.
         exec(compile("\n" * line + code, str(path), "exec"), namespace)
 
