@@ -117,6 +117,7 @@ class Case:
     in_structure: Any
     p: Any  # the parameter's value
     chunk: int = CHUNK
+    options: dict = dataclasses.field(default_factory=dict)  # more RowOperator arguments
 
     @property
     def row_fn(self) -> Callable:
@@ -132,7 +133,11 @@ class Case:
         p = self.p if p is None else p
         rows = self.make_rows(p) if rows is None else rows
         return chunkop.RowOperator(
-            self.make_row_fn(p), rows, self.in_structure, chunk_size=self.chunk if chunk is None else chunk, **kw
+            self.make_row_fn(p),
+            rows,
+            self.in_structure,
+            chunk_size=self.chunk if chunk is None else chunk,
+            **{**self.options, **kw},
         )
 
     def ref_mv(self, x: Any, p: Any = None, *, rows: Any = None) -> Any:
@@ -331,6 +336,34 @@ def make_square(n: int = 6, chunk: int = 4):
     )
 
 
+def make_segment():
+    """``segment_key="idx"``: ``T.mv`` sums each chunk's rows per target and writes each target
+    once. Many rows per target (13 rows on 4 pixels, one a negative index counting from the
+    end), an ``x`` of two leaves sharing the indexed axis; ``p`` enters through the rows (``d``,
+    ``s``) and the closure (``c``). Chunks of 5: two full chunks and a remainder of 3."""
+    rng = np.random.default_rng(7)
+    n, npix = 13, 4
+    base = make_los_rows(n, npix, seed=7)
+    idx = jnp.asarray(np.where(rng.uniform(size=n) < 0.2, -1, rng.integers(0, npix, n)), jnp.int32)
+
+    def make_row_fn(p):
+        def row_fn(r, x):
+            return jnp.dot(los_weights(r), x["sky"][r["idx"]]) + p["c"] * r["d"] * 1e-3 * x["gain"][r["idx"]]
+
+        return row_fn
+
+    struct = {"sky": jax.ShapeDtypeStruct((npix, K), jnp.float32), "gain": jax.ShapeDtypeStruct((npix,), jnp.float32)}
+    return Case(
+        "segment",
+        make_row_fn,
+        lambda p: {"idx": idx, "d": p["d"], "s": p["s"]},
+        struct,
+        {"d": base["d"], "s": base["s"], "c": jnp.float32(0.8)},
+        5,
+        {"segment_key": "idx"},
+    )
+
+
 make_operators: list[Callable[[], Case]] = [
     make_los,
     make_well_conditioned,
@@ -344,5 +377,6 @@ make_operators: list[Callable[[], Case]] = [
     make_tuple_rows,
     make_array_rows,
     make_square,
+    make_segment,
 ]
 OPERATOR_IDS = [make.__name__.removeprefix("make_") for make in make_operators]

@@ -1,8 +1,8 @@
 """Every kernel lowers for accelerators on this host, and the CPU fusion barrier is CPU-only.
 
 ``jax.export.export(jax.jit(f), platforms=[...])`` lowers a program for platforms this host
-does not have. Each kernel (the ``RowOperator``'s ``mv``, ``T.mv``, gradients w.r.t. ``x`` and
-the rows, its hvp; ``chunkop.vmap``/``sum``/``map`` and their gradients; ``chunkop.jacrev``
+does not have. Each kernel (the ``RowOperator``'s ``mv``, ``T.mv`` (scatter-add and per-target),
+gradients w.r.t. ``x`` and the rows, its hvp; ``chunkop.vmap``/``sum``/``map`` and their gradients; ``chunkop.jacrev``
 and ``jacfwd``; progress off) is lowered for cuda, rocm and tpu, for cpu, and for cpu and cuda
 in one module, and its StableHLO is inspected.
 
@@ -45,8 +45,8 @@ def make_rows() -> dict:
     }
 
 
-def op(rows: dict) -> chunkop.RowOperator:
-    return chunkop.RowOperator(row_fn, rows, X_STRUCT, chunk_size=CHUNK, progress=False)
+def op(rows: dict, **options) -> chunkop.RowOperator:
+    return chunkop.RowOperator(row_fn, rows, X_STRUCT, chunk_size=CHUNK, progress=False, **options)
 
 
 def example(x: jax.Array) -> jax.Array:
@@ -70,6 +70,7 @@ def kernels() -> dict:
     return {
         "mv": (lambda r, x: op(r).mv(x), (rows, x)),
         "T.mv": (lambda r, y: op(r).T.mv(y), (rows, y)),
+        "T.mv segment": (lambda r, y: op(r, segment_key="pix").T.mv(y), (rows, y)),
         "grad x": (jax.grad(loss, argnums=1), (rows, x)),
         "hvp": (lambda r, x: jax.jvp(lambda u: jax.grad(loss, argnums=1)(r, u), (x,), (x,))[1], (rows, x)),
         "grad rows": (lambda w, x: jax.grad(lambda w: loss({**rows, "w": w}, x))(w), (rows["w"], x)),
@@ -84,7 +85,8 @@ def kernels() -> dict:
     }
 
 
-NAMES = ["mv", "T.mv", "grad x", "hvp", "grad rows", "vmap", "vmap grad", "sum", "sum grad", "map", "map grad"]
+NAMES = ["mv", "T.mv", "T.mv segment", "grad x", "hvp", "grad rows"]
+NAMES += ["vmap", "vmap grad", "sum", "sum grad", "map", "map grad"]
 NAMES += ["jacrev", "jacfwd"]
 
 

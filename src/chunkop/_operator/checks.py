@@ -240,9 +240,16 @@ def _adjoint_cause(operator: Any, y: Any, aty: Any, rtol: float, error: float, c
         return f"(The transpose of row_fn could not be computed to tell the cause: {type(err).__name__}.)"
     kernel_error = float(_diff_norm(aty, reference) / (_norm(reference) + _norm(aty) + jnp.finfo(jnp.float32).tiny))
     if not kernel_error <= rtol:
+        key = getattr(getattr(operator, "spec", None), "segment_key", None)
+        contract = (
+            ""
+            if key is None
+            else f" Built with `segment_key`={key!r}: row_fn must read x only at x[row[{key!r}]] (every"
+            " leaf along its leading axis); one that reads more needs segment_key=None."
+        )
         return (
             f"A.T.mv differs from jax.linear_transpose of row_fn by {kernel_error:.3g} (relative): "
-            f"the transpose kernel ({type(operator).__name__}.apply_transpose) does not transpose row_fn."
+            f"the transpose kernel ({type(operator).__name__}.apply_transpose) does not transpose row_fn.{contract}"
         )
     complex_x = any(jnp.issubdtype(s.dtype, jnp.complexfloating) for s in jax.tree_util.tree_leaves(in_struct))
     out_of_range = (

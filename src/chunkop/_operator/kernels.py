@@ -79,6 +79,7 @@ class Spec:
     fingerprint: Any = dataclasses.field(default=None, repr=False)  # jaxpr_key(jaxpr), None if it has none
     progress: Progress = dataclasses.field(default=None, repr=False)  # reported by every kernel's loop
     out_leaves: tuple = dataclasses.field(default=(), repr=False)  # ShapeDtypeStructs of one row's output leaves
+    segment_key: Any = None  # the rows' target key: T.mv sums per target (see _segment_transpose_chunk)
 
     @functools.cached_property
     def key(self) -> Any:
@@ -98,6 +99,7 @@ class Spec:
             self.row_tree,
             self.out_tree,
             progress_key,
+            self.segment_key,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -134,11 +136,12 @@ class Spec:
         """``row_fn`` over a chunk of rows (vmapped over the rows only)."""
         return jax.vmap(self.row_fn, (None, 0, None))(consts, rows_c, x)
 
-    def at(self, chunk_size: int, progress: Progress = None) -> Spec:
-        """The same traced ``row_fn`` at another chunk size and progress setting (no new trace)."""
-        if chunk_size == self.chunk_size and progress is self.progress:
+    def at(self, chunk_size: int, progress: Progress = None, segment_key: Any = None) -> Spec:
+        """The same traced ``row_fn`` at another chunk size, progress setting and transpose
+        (``segment_key``, see :func:`backward`); no new trace."""
+        if chunk_size == self.chunk_size and progress is self.progress and segment_key == self.segment_key:
             return self
-        return dataclasses.replace(self, chunk_size=chunk_size, progress=progress)
+        return dataclasses.replace(self, chunk_size=chunk_size, progress=progress, segment_key=segment_key)
 
 
 def make_spec(
@@ -244,6 +247,58 @@ def _transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any, split: bool
     return ct
 
 
+def _segment_sums(starts: jax.Array, values: Any) -> Any:
+    """Inclusive sums of ``values`` (leaves with a leading axis) within runs that begin where
+    ``starts`` is True: a segmented ``jax.lax.associative_scan`` (each run summed in a tree
+    order of its own elements only, the same order on every run of the program)."""
+
+    def combine(a: tuple, b: tuple) -> tuple:
+        (a_start, a_val), (b_start, b_val) = a, b
+        keep = lambda va, vb: jnp.where(b_start.reshape(b_start.shape + (1,) * (vb.ndim - 1)), vb, va + vb)
+        return a_start | b_start, _tu.tree_map(keep, a_val, b_val)
+
+    return jax.lax.associative_scan(combine, (starts, values))[1]
+
+
+def _segment_transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any) -> Any:
+    """``A_c^T y_c`` for one chunk, written once per target: no two rows add into one element.
+
+    ``row_fn`` reads ``x`` only at ``x[row[key]]`` (``key = spec.segment_key``; every leaf of
+    ``x`` along its leading axis): so each row's part of the transpose is one slice of ``x``,
+    the transpose of ``row_fn`` on a one-slice ``x`` read at index 0. The chunk's rows are
+    sorted by target (a stable sort of ``chunk_size`` integers), each target's slices summed by
+    a segmented scan, and each sum written at its target by a scatter whose indices are unique
+    (``unique_indices=True``: an accelerator needs no atomic additions, and no thread waits on
+    another). Targets outside ``[-n, n)`` (``n`` the leading size of ``x``) contribute nothing.
+    """
+    key = spec.segment_key
+    in_struct = spec.in_structure()
+    n = spec.in_leaves[0].shape[0]
+    targets = rows_c[key]
+    size = targets.shape[0]
+    targets = jnp.where(targets < 0, targets + n, targets)  # x[t] counts a negative t from the end
+    order = jnp.argsort(targets, stable=True)
+    targets = targets[order]
+    rows_s, y_s = _tu.tree_map(lambda a: jnp.take(a, order, axis=0), (rows_c, y_c))
+    local_rows = {**rows_s, key: jnp.zeros((), targets.dtype)}  # every row reads slice 0 ...
+    row_axes = {k: None if k == key else 0 for k in rows_s}
+    local_x = _tu.tree_map(lambda s: jax.ShapeDtypeStruct((size, 1, *s.shape[1:]), s.dtype), in_struct)
+
+    def per_row(v: Any) -> Any:  # ... of its own one-slice x
+        return jax.vmap(spec.row_fn, (None, row_axes, 0))(consts, local_rows, v)
+
+    (slices,) = jax.linear_transpose(per_row, local_x)(y_s)
+    slices = _tu.tree_map(lambda a: a[:, 0], slices)
+    new = jnp.concatenate([jnp.ones((1,), bool), targets[1:] != targets[:-1]])
+    last = jnp.concatenate([targets[1:] != targets[:-1], jnp.ones((1,), bool)])
+    sums = _segment_sums(new, slices)
+    valid = last & (targets >= 0) & (targets < n)
+    where = jnp.where(valid, targets, n + jnp.arange(size, dtype=targets.dtype))  # unique; the rest dropped
+    return _tu.tree_map(
+        lambda s, v: jnp.zeros(s.shape, s.dtype).at[where].add(v, mode="drop", unique_indices=True), in_struct, sums
+    )
+
+
 def _tangent(primal: Any, tangent: Any) -> Any:
     """A full tangent for ``primal``: ``tangent``'s leaves, float0 zeros where it has ``None``."""
     return _tu.tree_map(
@@ -302,10 +357,17 @@ def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
 
 
 def backward(spec: Spec, consts: Any, rows: Any, y: Any) -> Any:
-    """``A^T y``: the transposed ``row_fn`` summed over rows, chunk by chunk (wide accumulator)."""
+    """``A^T y``: the transposed ``row_fn`` summed over rows, chunk by chunk (wide accumulator).
+
+    Each chunk's transpose is ``jax.linear_transpose``'s (a scatter-add of every row into the
+    ``x`` space), or, for an operator built with a ``segment_key``, a sum per target written
+    once per target (:func:`_segment_transpose_chunk`).
+    """
 
     def per_chunk(chunk: Any, consts: Any) -> Any:
         rows_c, y_c = chunk
+        if spec.segment_key is not None:
+            return _segment_transpose_chunk(spec, consts, rows_c, y_c)
         return _transpose_chunk(spec, consts, rows_c, y_c)
 
     return _chunk_loop(per_chunk, (rows, y), consts, spec, sum_like=spec.in_structure())

@@ -60,6 +60,37 @@ def _check_rows(rows: Any) -> int:
     return first[1]
 
 
+def _check_segment_key(segment_key: Any, rows: Any, n_rows: int, in_leaves: tuple) -> None:
+    """Refuse a ``segment_key`` that does not name a 1-D integer leaf of a dict ``rows``, or an
+    ``x`` whose leaves do not share a leading axis for it to index."""
+    if segment_key is None:
+        return
+    if not isinstance(segment_key, str):
+        raise TypeError(f"RowOperator: `segment_key` must be a str (a key of `rows`) or None, got {segment_key!r}.")
+    if not isinstance(rows, dict):
+        raise ValueError(
+            f"RowOperator: `segment_key`={segment_key!r} needs `rows` to be a dict holding each row's "
+            f"target index under that key; `rows` is a {type(rows).__name__}."
+        )
+    if segment_key not in rows:
+        raise ValueError(
+            f"RowOperator: `segment_key`={segment_key!r} is not a key of `rows` (keys: {sorted(map(str, rows))})."
+        )
+    leaf = rows[segment_key]
+    if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.integer) or tuple(leaf.shape) != (n_rows,):
+        raise ValueError(
+            f"RowOperator: rows[{segment_key!r}] (the `segment_key`) must be an integer array of shape "
+            f"({n_rows},), one target index per row; got {getattr(leaf, 'dtype', type(leaf).__name__)}"
+            f"{list(getattr(leaf, 'shape', ()))}."
+        )
+    sizes = {tuple(s.shape[:1]) for s in in_leaves}
+    if any(len(s.shape) == 0 for s in in_leaves) or len(sizes) != 1:
+        raise ValueError(
+            f"RowOperator: `segment_key` needs every leaf of `x` to have the same leading axis (the "
+            f"one rows[{segment_key!r}] indexes); `in_structure` has shapes {[list(s.shape) for s in in_leaves]}."
+        )
+
+
 def _check_vector(vector: Any, expected: Any, what: str) -> None:
     got = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), vector)
     ok = jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(expected) and all(
@@ -261,6 +292,7 @@ class RowOperator(AbstractRowOperator):
         progress: Progress = None,
         memory_budget: int | None = None,
         out_sharding: str = "rows",
+        segment_key: str | None = None,
     ) -> None:
         """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
 
@@ -294,6 +326,20 @@ class RowOperator(AbstractRowOperator):
                 vectors (``lineax.Normal`` for fewer rows than unknowns, ``lineax.LSMR``) need
                 ``"replicated"`` there: JAX refuses those dot products of row-sharded vectors on
                 an Explicit mesh. No effect without sharded rows or on Auto meshes.
+            segment_key: for ``T.mv``, the key of a dict ``rows`` whose integer leaf is each
+                row's *target*, when ``row_fn`` reads ``x`` only at ``x[row[segment_key]]``
+                (every leaf of ``x`` along its leading axis, as ``sky[row["pix"]]``). Given, the
+                transpose sums each chunk's rows per target (the chunk sorted by target, a
+                segmented scan) and writes each target once: no two rows add into one element
+                at the same time, so an accelerator needs no contended atomic additions (XLA
+                lowers a float32 scatter-add on GPU to a compare-and-swap loop), and the result
+                is bitwise repeatable. ``row_fn`` is evaluated there on a one-slice ``x`` (shape
+                ``(1, ...)``) with the target set to 0: check a new operator with
+                :func:`chunkop.check_linear`, whose adjoint test fails if ``row_fn`` reads
+                anything else. Targets outside ``[-n, n)`` add nothing. None (the default):
+                ``jax.linear_transpose``'s scatter-add (the faster on CPU; see
+                ``benchmarks/RESULTS.md``). ``mv`` and the derivatives w.r.t. ``rows`` and
+                ``consts`` are unchanged.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
@@ -303,6 +349,7 @@ class RowOperator(AbstractRowOperator):
         self.out_sharding = out_sharding
         n_rows = _check_rows(rows)
         in_leaves, in_tree = _as_struct_tree(in_structure)
+        _check_segment_key(segment_key, rows, n_rows, in_leaves)
         progress = check_progress(progress, "RowOperator")
         _budget.check_budget_needs_auto(
             chunk_size, _budget.check_memory_budget(memory_budget, "RowOperator"), "RowOperator"
@@ -313,10 +360,11 @@ class RowOperator(AbstractRowOperator):
         x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
         with row_sharding.spec_context(rows):  # rows over devices: trace without a mesh context
             spec, self.consts = kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
+        spec = spec.at(spec.chunk_size, None, segment_key)
         if chunk_size == "auto":  # planned on that one trace of row_fn
             self.budget_plan = row_plan.plan_rows(spec, self.consts, rows, memory_budget)
             chunk_size = self.budget_plan.chunk or n_rows
-        self.spec = spec.at(chunk_size, progress)
+        self.spec = spec.at(chunk_size, progress, segment_key)
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 
