@@ -10,6 +10,7 @@ program's scatter (unique indices); and temp memory that does not grow with the 
 
 from __future__ import annotations
 
+import collections
 import re
 
 import jax
@@ -74,6 +75,16 @@ def test_transpose_matches_the_dense_matrix_and_the_scatter(kind):
     if kind == "out_of_range":  # rows off the grid add nothing
         off = (targets(kind) >= NPIX) | (targets(kind) < -NPIX)
         assert off.any() and np.abs(np.asarray(M)[off]).max() == 0.0
+
+
+def test_ordered_dict_rows_and_a_narrow_index_dtype():
+    """Rows as an ``OrderedDict`` (the local rows keep the rows' own type) and int8 targets with
+    negative values (normalised in a wider dtype: ``t + n`` does not overflow)."""
+    pix = targets("negative").astype(np.int8)
+    rows = collections.OrderedDict(d=rows_of(pix)["d"], pix=jnp.asarray(pix, jnp.int8))
+    y = y_of()
+    got = chunkop.RowOperator(row_fn, rows, X, chunk_size=CHUNK, segment_key="pix").T.mv(y)
+    assert_tree_allclose(got, (dense_matrix(row_fn, rows, X).T @ y).reshape(NPIX, K), n_terms=N)
 
 
 def test_transpose_repeats_bitwise_and_does_not_depend_on_the_chunk():

@@ -274,14 +274,16 @@ def _segment_transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any) -> 
     key = spec.segment_key
     in_struct = spec.in_structure()
     n = spec.in_leaves[0].shape[0]
-    targets = rows_c[key]
+    targets = rows_c[key].astype(jnp.promote_types(rows_c[key].dtype, jnp.int32))  # room for t + n
     size = targets.shape[0]
     targets = jnp.where(targets < 0, targets + n, targets)  # x[t] counts a negative t from the end
     order = jnp.argsort(targets, stable=True)
     targets = targets[order]
     rows_s, y_s = _tu.tree_map(lambda a: jnp.take(a, order, axis=0), (rows_c, y_c))
-    local_rows = {**rows_s, key: jnp.zeros((), targets.dtype)}  # every row reads slice 0 ...
-    row_axes = {k: None if k == key else 0 for k in rows_s}
+    local_rows, row_axes = rows_s.copy(), rows_s.copy()  # the rows' own dict type
+    for k in row_axes:
+        row_axes[k] = None if k == key else 0
+    local_rows[key] = jnp.zeros((), rows_c[key].dtype)  # every row reads slice 0 ...
     local_x = _tu.tree_map(lambda s: jax.ShapeDtypeStruct((size, 1, *s.shape[1:]), s.dtype), in_struct)
 
     def per_row(v: Any) -> Any:  # ... of its own one-slice x
