@@ -1,11 +1,14 @@
 """Truth families the example's generator (``los.make_problem``) does not draw, written as catalogs.
 
     python examples/astro_los/families.py [--size tiny|default] [--out DIR] [--family NAME ...] [--run]
+        [--references oracle scale2x]
 
 Each family writes ``DIR/NAME.npz`` (a catalog in the documented format, ``catalog.py``) and
 ``DIR/NAME.truth.npz`` (the true sky, ``sky``: ``(nx * ny, n_bins)``). ``--run`` then reconstructs
 each one through ``reconstruct.py --data NAME.npz --truth NAME.truth.npz --out DIR/NAME`` and writes
-``DIR/families_results.json`` (every family's summary and figures against the truth).
+``DIR/families_results.json`` (every family's summary and figures against the truth);
+``--references oracle scale2x`` also reconstructs each one given a reference radial profile
+(``--profile``): the truth's mean profile, and the family's density law with its scale doubled.
 
 This code shares nothing with the example's generator but the instrument (``los.make_los_operator``,
 the users' weights): its own sky models, plane-of-sky fields, line draws (distances log-uniform,
@@ -37,6 +40,7 @@ import los
 from catalog import write_catalog
 
 FAMILIES = ("steep_profile", "compact_clouds", "sheet_edge", "steep_disc_fine")
+REFERENCES = ("oracle", "scale2x")
 GRIDS = {"tiny": (12, 8, 24, 6_000), "default": (64, 48, 96, 131_072)}
 
 
@@ -53,6 +57,31 @@ def _powerlaw_field(rng, nx: int, ny: int, knee: float, slope: float) -> np.ndar
     return (f / f.std()).reshape(-1)
 
 
+def base_profile(name: str, r: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """A family's radial density law (before its field, clouds or sheet), its length scale
+    multiplied by ``scale``: ``scale=2`` is a reference model whose scale is twice the truth's."""
+    if name == "steep_profile":
+        return 1.0 / (1.0 + (r / (200.0 * scale)) ** 2)
+    if name == "compact_clouds":
+        return np.exp(-r / (500.0 * scale))
+    if name == "sheet_edge":
+        return (1.0 + r / (100.0 * scale)) ** -0.5
+    if name == "steep_disc_fine":
+        return np.exp(-r / (150.0 * scale))
+    raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
+
+
+def reference_profile(kind: str, name: str, truth_sky: np.ndarray, edges: np.ndarray) -> np.ndarray:
+    """A reference radial profile for ``reconstruct.py --profile``: ``"oracle"``, the truth's mean
+    over pixels per bin (what the oracle baseline knows); ``"scale2x"``, the family's density law
+    with its length scale doubled (an external model that is wrong by a factor 2)."""
+    if kind == "oracle":
+        return truth_sky.mean(axis=0, dtype=np.float64)
+    if kind == "scale2x":
+        return base_profile(name, np.sqrt(edges[:-1] * edges[1:]), 2.0)
+    raise ValueError(f"unknown reference {kind!r}; one of {REFERENCES}")
+
+
 def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarray:
     """The true sky ``(nx * ny, n_bins)`` float32 of a family."""
     r = np.sqrt(edges[:-1] * edges[1:])
@@ -60,10 +89,10 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
     ix, iy = np.divmod(np.arange(nx * ny), ny)
     if name == "steep_profile":
         g = 0.45 * _powerlaw_field(rng, nx, ny, knee=0.03, slope=1.8)
-        sky = (1.0 / (1.0 + (r / 200.0) ** 2))[None, :] * np.exp(g)[:, None]
+        sky = base_profile(name, r)[None, :] * np.exp(g)[:, None]
     elif name == "compact_clouds":
         g = 0.2 * _powerlaw_field(rng, nx, ny, knee=0.05, slope=2.0)
-        sky = np.exp(-r / 500.0)[None, :] * np.exp(g)[:, None]
+        sky = base_profile(name, r)[None, :] * np.exp(g)[:, None]
         scale = max(nx, ny) / 64.0
         for _ in range(60):
             cx, cy = rng.uniform(0, nx), rng.uniform(0, ny)
@@ -74,14 +103,14 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
             sky = sky * (1.0 + rng.uniform(2.0, 9.0) * blob)
     elif name == "sheet_edge":
         g = 0.25 * _powerlaw_field(rng, nx, ny, knee=0.04, slope=2.0)
-        base = (1.0 + r / 100.0) ** -0.5
+        base = base_profile(name, r)
         edge_x = 0.55 * nx + 0.15 * (iy - ny / 2)  # a straight, slanted edge
         covered = (ix < edge_x).astype(float)[:, None]
         sheet = ((r > 150.0) & (r < 250.0)).astype(float)[None, :]
         sky = base[None, :] * np.exp(g)[:, None] * (1.0 + 4.0 * covered * sheet)
     elif name == "steep_disc_fine":
         g = 0.6 * _powerlaw_field(rng, nx, ny, knee=0.08, slope=1.5)
-        sky = np.exp(-r / 150.0)[None, :] * np.exp(g)[:, None]
+        sky = base_profile(name, r)[None, :] * np.exp(g)[:, None]
     else:
         raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
     return sky.astype(np.float32)
@@ -114,6 +143,15 @@ def main(argv=None) -> dict:
     p.add_argument("--family", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--run", action="store_true", help="reconstruct each family and write families_results.json")
     p.add_argument("--samples", type=int, default=32)
+    p.add_argument(
+        "--references",
+        nargs="*",
+        default=[],
+        choices=REFERENCES,
+        help="with --run: also reconstruct each family given these reference profiles (reconstruct.py --profile, "
+        "written as NAME.REF.npy; results under NAME_REF): 'oracle', the truth's mean radial profile (what the "
+        "oracle baseline knows); 'scale2x', the family's density law with its length scale doubled",
+    )
     a = p.parse_args(argv)
     results = {}
     for name in a.family:
@@ -122,19 +160,14 @@ def main(argv=None) -> dict:
         if a.run:
             import reconstruct
 
-            summ = reconstruct.main(
-                [
-                    "--data",
-                    cat_path,
-                    "--truth",
-                    truth_path,
-                    "--out",
-                    os.path.join(a.out, name),
-                    "--samples",
-                    str(a.samples),
-                ]
-            )
-            results[name] = summ
+            args = ["--data", cat_path, "--truth", truth_path, "--samples", str(a.samples)]
+            results[name] = reconstruct.main([*args, "--out", os.path.join(a.out, name)])
+            for ref in a.references:
+                profile_path = os.path.join(a.out, f"{name}.{ref}.npy")
+                truth = np.load(truth_path)["sky"]
+                np.save(profile_path, reference_profile(ref, name, truth, _edges(GRIDS[a.size][2])))
+                out = os.path.join(a.out, f"{name}_{ref}")
+                results[f"{name}_{ref}"] = reconstruct.main([*args, "--profile", profile_path, "--out", out])
     if a.run:
         with open(os.path.join(a.out, "families_results.json"), "w") as f:
             json.dump({"size": a.size, "families": results}, f, indent=1, default=float)

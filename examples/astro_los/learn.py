@@ -2,7 +2,7 @@
 
 Model (nothing in it comes from a generator of synthetic skies)::
 
-    sky[p, k] = mu_k (1 + zeta[p]),      log mu_k = a + b t_k + c t_k^2 + const(b, c),
+    sky[p, k] = mu_k (1 + zeta[p]),      log mu_k = a + b t_k + c t_k^2 [+ ln ref_k] + const(b, c),
     zeta ~ N(0, amp^2 K)  (stationary on the periodic (nx, ny) grid, power (1 + (2 pi ell k)^2)^-slope),
 
 ``t_k`` the bin centre's ``ln r`` mapped linearly onto ``[-1, 1]`` over the catalog's edges (``mu`` is
@@ -18,7 +18,10 @@ Why the profile has a hyperprior: every line's weight vector has nearly the same
 as 1, 2e-4, 3e-8, so the data measure one ``1/r^2``-weighted column per pixel and, pooled over
 the sky, at most one weak contrast of the radial profile. The radial profile, and so the
 distance-integrated column, is set by the hyperprior wherever the data are silent: the run
-reports how much the data constrained it and warns.
+reports how much the data constrained it and warns. Knowledge from outside the catalog (a model
+of the Galactic disc, an earlier map) enters as a reference profile ``ref`` (``reconstruct.py
+--profile``): its shape becomes the prior's mean shape, and the data still set the level ``a``,
+the field and any contrast they measure.
 
 The lines enter through their weights projected on ``J`` radial vectors (the leading right
 singular vectors of a sample of the catalog's weight vectors): ``G = W V`` (``n_los x J``),
@@ -42,6 +45,7 @@ import chunkop
 
 MAX_COARSE = 1024  # pixels of the grid on which the evidence is computed exactly
 PROFILE_PRIOR_SD = 1.0  # hyperprior sd of the profile's shape coefficients b, c
+REFERENCE_PRIOR_SD = 0.1  # the same, about a reference profile the user gives (--profile-sd)
 NAMES = ("a", "b", "c", "log_amp", "log_ell", "log_slope")
 
 
@@ -101,14 +105,29 @@ def profile_omega(edges: np.ndarray) -> np.ndarray:
     return w / w.sum()
 
 
-def profile(theta, t, omega, xp: Any = jnp) -> Any:
-    """``mu_k = exp(a + b t_k + c t_k^2) / sum_j omega_j exp(b t_j + c t_j^2)``: ``exp(a)`` is the
-    profile's ``1/r^2``-weighted mean density (what the data measure), ``b``, ``c`` its shape.
-    ``theta`` of shape ``(5,)`` or ``(S, 5)`` (then ``(S, n_bins)``); differentiable (jnp)."""
+def profile(theta, t, omega, xp: Any = jnp, reference: Any = None) -> Any:
+    """``mu_k = exp(a + s_k) / sum_j omega_j exp(s_j)``, ``s_k = b t_k + c t_k^2 (+ ln ref_k)``:
+    ``exp(a)`` is the profile's ``1/r^2``-weighted mean density (what the data measure), ``b``, ``c``
+    its shape, relative to the user's ``reference`` profile (``(n_bins,)``, positive) when one is
+    given (then ``b = c = 0`` is the reference's shape at the learned level).
+    ``theta`` of shape ``(6,)`` or ``(S, 6)`` (then ``(S, n_bins)``); differentiable (jnp)."""
     theta = xp.asarray(theta)
     a, b, c = theta[..., 0:1], theta[..., 1:2], theta[..., 2:3]
     shape = b * t + c * t**2
+    if reference is not None:
+        shape = shape + xp.log(xp.asarray(reference))
     return xp.exp(a + shape - xp.log(xp.sum(omega * xp.exp(shape), axis=-1, keepdims=True)))
+
+
+def check_reference(reference: Any, n_bins: int) -> np.ndarray:
+    """A user's reference profile as float64: one finite, positive density per radial bin."""
+    ref = np.asarray(reference, np.float64)
+    if ref.shape != (n_bins,) or not np.all(np.isfinite(ref)) or not np.all(ref > 0):
+        raise ValueError(
+            f"the reference profile must hold one finite, positive density per radial bin, shape ({n_bins},); "
+            f"got shape {ref.shape}" + ("" if ref.shape != (n_bins,) else f", min {ref.min():.3g}")
+        )
+    return ref
 
 
 def field_power(nx: int, ny: int, ell: Any, slope: Any, full: bool = False, sqrt: bool = False) -> Any:
@@ -164,7 +183,14 @@ def _dense_sqrt_cov(nx: int, ny: int, ell, slope) -> Any:
     return c[(ix[:, None] - ix[None, :]) % nx, (iy[:, None] - iy[None, :]) % ny]
 
 
-def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[Callable, dict]:
+def make_objective(
+    cat: Catalog,
+    G: np.ndarray,
+    V: np.ndarray,
+    f: int,
+    reference: np.ndarray | None = None,
+    shape_sd: float = PROFILE_PRIOR_SD,
+) -> tuple[Callable, dict]:
     """``-log evidence - log hyperprior`` of ``theta`` (float64 jnp; call under ``jax.enable_x64``).
 
     With ``r = y - A mu``, ``m = A mu`` line by line, ``D``, ``t`` the coarse pixels' sums of
@@ -190,7 +216,7 @@ def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[
     box2 = jnp.asarray(_box_gain2(kx, f) * _box_gain2(ky, f))  # |block-average transfer|^2
 
     def objective(theta):
-        m = Gj @ (Vj.T @ profile(theta, t, om))  # A mu, line by line
+        m = Gj @ (Vj.T @ profile(theta, t, om, reference=reference))  # A mu, line by line
         r = y - m
         iv = 1.0 / var
         log_norm = jnp.sum(jnp.log(2 * np.pi * var))
@@ -214,22 +240,41 @@ def make_objective(cat: Catalog, G: np.ndarray, V: np.ndarray, f: int) -> tuple[
         quad = jnp.sum(res * res * iv) - jnp.sum(w2 * common**2 * shrink) + xi @ xi
         logdet = 2 * jnp.sum(jnp.log(jnp.diag(L))) - jnp.sum(jnp.log(shrink))
         nll = 0.5 * (quad + logdet + log_norm)
-        return nll + 0.5 * (theta[1] ** 2 + theta[2] ** 2) / PROFILE_PRIOR_SD**2
+        return nll + 0.5 * (theta[1] ** 2 + theta[2] ** 2) / shape_sd**2
 
     info = {"coarse_factor": f, "coarse_grid": [nxc, nyc]}
     return objective, info
 
 
-def learn_hyperparameters(cat: Catalog, G: np.ndarray, V: np.ndarray, log: Callable = print) -> dict:
-    """Type-II MAP of ``theta`` and its Laplace covariance; returns a dict (see :func:`report`)."""
+def learn_hyperparameters(
+    cat: Catalog,
+    G: np.ndarray,
+    V: np.ndarray,
+    log: Callable = print,
+    reference: np.ndarray | None = None,
+    shape_sd: float | None = None,
+) -> dict:
+    """Type-II MAP of ``theta`` and its Laplace covariance; returns a dict (see :func:`report`).
+
+    ``reference``: the user's reference radial profile (see :func:`profile`), or None (flat).
+    ``shape_sd``: the hyperprior sd of the shape ``b``, ``c`` about it; by default
+    ``PROFILE_PRIOR_SD`` (1: a flat profile unless the data say otherwise) without a reference and
+    ``REFERENCE_PRIOR_SD`` (0.1: the reference trusted to about 10% in log density at the ends of
+    the distance range) with one. The data constrain the shape only weakly and through the model's
+    assumptions (a field ``1 + zeta`` the same at every distance), so a loose hyperprior about a
+    good reference lets those assumptions, not the data, move it."""
+    if shape_sd is None:
+        shape_sd = PROFILE_PRIOR_SD if reference is None else REFERENCE_PRIOR_SD
+    if not shape_sd > 0:
+        raise ValueError(f"the profile shape's hyperprior sd must be positive, got {shape_sd}")
     f = coarse_factor(cat.nx, cat.ny)
     t0 = time.perf_counter()
     with jax.enable_x64(True):
-        objective, info = make_objective(cat, G, V, f)
+        objective, info = make_objective(cat, G, V, f, reference, shape_sd)
         nxc, nyc = info["coarse_grid"]
         vg = jax.jit(jax.value_and_grad(objective))
-        # the level a by least squares at a flat profile; then a log-spaced grid of lengths
-        m0 = G @ (V.T @ np.ones(cat.n_bins))
+        # the level a by least squares at the reference (flat) profile; then a log-spaced grid of lengths
+        m0 = G @ (V.T @ np.asarray(profile(np.zeros(6), profile_t(cat.edges), profile_omega(cat.edges), np, reference)))
         iv = 1.0 / cat.sigma.astype(np.float64) ** 2
         a0 = float(np.log(max(np.sum(cat.y * m0 * iv) / np.sum(m0 * m0 * iv), 1e-30)))
         lo_ell, hi_ell = np.log(0.5), np.log(float(max(nxc, nyc)))
@@ -271,7 +316,7 @@ def learn_hyperparameters(cat: Catalog, G: np.ndarray, V: np.ndarray, log: Calla
     at_bound = [NAMES[i] for i, (lo, hi) in enumerate(bounds) if min(theta[i] - lo, hi - theta[i]) < 1e-3 * (hi - lo)]
     sd = np.sqrt(np.diag(cov))
     # how much the data constrained the profile's shape (b, c): posterior sd / hyperprior sd
-    shape_ratio = [float(sd[1] / PROFILE_PRIOR_SD), float(sd[2] / PROFILE_PRIOR_SD)]
+    shape_ratio = [float(sd[1] / shape_sd), float(sd[2] / shape_sd)]
     out = {
         "theta": theta.tolist(),
         "theta_sd": sd.tolist(),
@@ -286,13 +331,14 @@ def learn_hyperparameters(cat: Catalog, G: np.ndarray, V: np.ndarray, log: Calla
         "optimizer": {"success": bool(opt.success), "iterations": int(opt.nit), "message": str(opt.message)},
         "neg_log_posterior_start": float(min(vals)),
         "profile_shape_sd_over_prior_sd": shape_ratio,
-        "profile_prior_sd": PROFILE_PRIOR_SD,
+        "profile_prior_sd": shape_sd,
+        "reference_profile": None if reference is None else np.asarray(reference, np.float64).tolist(),
         "seconds": time.perf_counter() - t0,
         **info,
     }
     log(
         f"learned: level a = {theta[0]:.4f} +- {sd[0]:.4f}, profile shape b = {theta[1]:+.3f} +- {sd[1]:.3f}, "
-        f"c = {theta[2]:+.3f} +- {sd[2]:.3f} (hyperprior sd {PROFILE_PRIOR_SD}), field sd {out['amp']:.3f} "
+        f"c = {theta[2]:+.3f} +- {sd[2]:.3f} (hyperprior sd {shape_sd:g}), field sd {out['amp']:.3f} "
         f"(x/ {np.exp(sd[3]):.3f}), correlation length {out['ell_pixels']:.2f} px (x/ {np.exp(sd[4]):.3f}), "
         f"spectral slope {out['slope']:.2f} (x/ {np.exp(sd[5]):.3f}); "
         f"coarse grid {nxc} x {nyc} (factor {f}), {opt.nit} L-BFGS-B iterations"
@@ -346,7 +392,8 @@ def posterior(
     theta = np.asarray(hyper["theta"])
     t = profile_t(cat.edges)
     om = profile_omega(cat.edges)
-    mu = np.asarray(profile(theta, t, om, np))
+    ref = hyper.get("reference_profile")
+    mu = np.asarray(profile(theta, t, om, np, ref))
     m = G @ (V.T @ mu)
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     D = np.bincount(cat.pix, m * m * iv, cat.n_pix)
@@ -378,7 +425,7 @@ def posterior(
         rng = np.random.default_rng(seed)
         ths = rng.multivariate_normal(theta, np.asarray(hyper["theta_cov"]), n_samples)
         out["zeta_samples"] = np.asarray(zs, np.float64)
-        out["mu_samples"] = np.asarray(profile(ths, t, om, np))
+        out["mu_samples"] = np.asarray(profile(ths, t, om, np, ref))
         out["sample_cg_iterations_max"] = int(jnp.max(ks))
     return out
 

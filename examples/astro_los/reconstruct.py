@@ -305,8 +305,11 @@ def reconstruct_catalog(
     chunk: int = 8192,
     figures: bool = True,
     mesh: jax.sharding.Mesh | None = None,
+    reference: np.ndarray | None = None,
+    profile_sd: float | None = None,
 ) -> dict:
-    """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given).
+    """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given), and
+    from a reference radial profile (``(n_bins,)`` densities: the prior's mean shape) if one is given.
 
     Learns the prior's hyperparameters (``learn.learn_hyperparameters``: evidence, type-II MAP, Laplace),
     solves for the posterior at full resolution, draws ``samples`` posterior samples (the posterior
@@ -329,7 +332,11 @@ def reconstruct_catalog(
         f"the lines' weight vectors: singular values {', '.join(f'{v:.1e}' for v in sv[:4])} (relative): "
         f"each line measures ~one radial combination; kept {V.shape[1]} (largest truncation error {trunc:.1e})"
     )
-    hyper = learn.learn_hyperparameters(cat, G, V, log=log)
+    if reference is not None:
+        reference = learn.check_reference(reference, cat.n_bins)
+        summ["reference_profile"] = True
+        log("the prior's radial profile: the reference given (--profile), its level and contrasts learned")
+    hyper = learn.learn_hyperparameters(cat, G, V, log=log, reference=reference, shape_sd=profile_sd)
     summ["hyperparameters"] = {k: v for k, v in hyper.items() if k != "theta_cov"}
     post = learn.posterior(cat, G, V, hyper, n_samples=samples, iters=iters, rtol=rtol)
     log(
@@ -374,12 +381,15 @@ def warnings_for(summ: dict, hyper: dict, cat: Catalog) -> list:
     ratio = hyper["profile_shape_sd_over_prior_sd"]
     if max(ratio) > 0.5:
         col = summ.get("column_rel_std_median")
+        given = hyper.get("reference_profile") is not None
         w.append(
             "the radial profile is set mostly by its hyperprior, not by the data (posterior/prior sd of its "
             f"shape b, c: {ratio[0]:.2f}, {ratio[1]:.2f}): the lines measure one 1/r^2-weighted column per pixel"
             + (f" (+-{100 * summ['wcolumn_rel_std_median']:.1f}%)" if summ.get("wcolumn_rel_std_median") else "")
-            + "; the distance-integrated column and every distance bin depend on the assumed profile"
+            + "; the distance-integrated column and every distance bin depend on "
+            + ("the reference profile given (--profile), as right as it is" if given else "the assumed profile")
             + (f" (+-{100 * col:.0f}% per pixel, 1 sd, median)" if col is not None else "")
+            + ("" if given else "; give a reference radial profile from outside the catalog with --profile")
         )
     for name in hyper["at_bound"]:
         w.append(f"hyperparameter {name} = {hyper['theta'][hyper['names'].index(name)]:.3g} sits at its bound")
@@ -730,6 +740,13 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     if "mu_samples" in post:
         lo, hi = np.percentile(post["mu_samples"], [2.5, 97.5], axis=0)
         ax.fill_between(r, lo, hi, color="C0", alpha=0.25, label="95% (hyperparameter posterior)")
+    if rec["hyper"].get("reference_profile") is not None:
+        level = np.array(rec["hyper"]["theta"])
+        level[1:3] = 0.0  # the reference's own shape, at the learned level
+        ref = learn.profile(
+            level, learn.profile_t(cat.edges), learn.profile_omega(cat.edges), np, rec["hyper"]["reference_profile"]
+        )
+        ax.loglog(r, ref, color="C1", ls=(0, (4, 3)), lw=2, label="reference given (--profile), at the learned level")
     if truth is not None:
         ax.loglog(r, truth["oracle_profile"], "k--", label="truth: mean over pixels (the oracle)")
     ax.set_xlabel("distance r (pc)")
@@ -804,7 +821,27 @@ def main(argv=None) -> dict:
         "starts). The number of lines must be a multiple of N (default: one device, no mesh)",
     )
     p.add_argument("--progress", action="store_true", help="a progress bar of chunks per operator call")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="PROFILE.npy",
+        help="with --data: a reference radial profile, one positive density per radial bin (n_bins,), from "
+        "outside the catalog (a model of the disc, an earlier map): the prior's mean shape. The lines measure "
+        "one 1/r^2-weighted column per pixel; the distance-integrated column follows this profile",
+    )
+    p.add_argument(
+        "--profile-sd",
+        type=float,
+        default=None,
+        metavar="SD",
+        help="the hyperprior sd of the profile's shape (log density, at the ends of the distance range) about "
+        f"the reference (default {learn.REFERENCE_PRIOR_SD} with --profile, {learn.PROFILE_PRIOR_SD} without)",
+    )
     a = p.parse_args(argv)
+    if (a.profile is not None or a.profile_sd is not None) and a.data is None:
+        p.error("--profile and --profile-sd need --data (the built-in synthetic run learns its profile)")
+    if a.profile_sd is not None and not a.profile_sd > 0:
+        p.error(f"--profile-sd must be positive, got {a.profile_sd}")
     if a.devices is not None:
         if a.devices < 1:
             p.error(f"--devices must be at least 1, got {a.devices}")
@@ -830,9 +867,22 @@ def main(argv=None) -> dict:
         cat = load_catalog(a.data)
     except CatalogError as e:
         p.error(f"{a.data}: {e}")
+    reference = None
+    if a.profile is not None:
+        try:
+            reference = learn.check_reference(np.load(a.profile), cat.n_bins)
+        except (OSError, ValueError) as e:
+            p.error(f"--profile {a.profile}: {e}")
     mesh = device_mesh(a.devices) if a.devices is not None else None
     rec = reconstruct_catalog(
-        cat, None, samples=32 if a.samples is None else a.samples, rtol=a.rtol, chunk=a.chunk or 8192, mesh=mesh
+        cat,
+        None,
+        samples=32 if a.samples is None else a.samples,
+        rtol=a.rtol,
+        chunk=a.chunk or 8192,
+        mesh=mesh,
+        reference=reference,
+        profile_sd=a.profile_sd,
     )
     ev = None
     if a.truth:
