@@ -182,3 +182,19 @@ def test_temp_memory_does_not_grow_with_the_rows():
     small, big = temp(4096, "pix"), temp(65536, "pix")
     assert big <= small * 1.05 + 4 * 65536, (small, big)  # at most a few bytes per row (the sort's keys)
     assert big <= 4 * temp(65536, None), (big, temp(65536, None))
+
+
+def test_auto_chunk_is_planned_on_the_segment_kernel():
+    """``chunk_size="auto"`` under a budget measures the per-target transpose (whose temporaries
+    are larger than the scatter's), so its compiled ``T.mv`` fits the budget."""
+    rng = np.random.default_rng(5)
+    n, npix, k = 20000, 500, 64
+    rows = {
+        "pix": jnp.asarray(rng.integers(0, npix, n), jnp.int32),
+        "d": jnp.asarray(rng.uniform(0.5, 2, n), jnp.float32),
+    }
+    fn = lambda r, v: jnp.dot(jnp.exp(-r["d"] * jnp.arange(1.0, k + 1.0)), v[r["pix"]])
+    x, budget = jax.ShapeDtypeStruct((npix, k), jnp.float32), 2 * 2**20
+    A = chunkop.RowOperator(fn, rows, x, memory_budget=budget, segment_key="pix")
+    assert A.spec.segment_key == "pix"
+    assert temp_bytes(lambda A, y: A.T.mv(y), A, jax.ShapeDtypeStruct((n,), jnp.float32)) <= budget

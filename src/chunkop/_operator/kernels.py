@@ -136,9 +136,11 @@ class Spec:
         """``row_fn`` over a chunk of rows (vmapped over the rows only)."""
         return jax.vmap(self.row_fn, (None, 0, None))(consts, rows_c, x)
 
-    def at(self, chunk_size: int, progress: Progress = None, segment_key: Any = None) -> Spec:
+    def at(self, chunk_size: int, progress: Progress = None, segment_key: Any = ...) -> Spec:
         """The same traced ``row_fn`` at another chunk size, progress setting and transpose
-        (``segment_key``, see :func:`backward`); no new trace."""
+        (``segment_key``, see :func:`backward`; kept unless given); no new trace."""
+        if segment_key is ...:
+            segment_key = self.segment_key
         if chunk_size == self.chunk_size and progress is self.progress and segment_key == self.segment_key:
             return self
         return dataclasses.replace(self, chunk_size=chunk_size, progress=progress, segment_key=segment_key)
