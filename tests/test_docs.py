@@ -37,10 +37,15 @@ PUBLIC = [name for name in chunkop.__all__ if name != "__version__"]
 RUN_ELSEWHERE = {"cookbook.md"}  # tests/test_cookbook.py
 
 
+def _line_of(text: str, match: re.Match | None) -> float:
+    """The line of ``text`` where ``match`` starts (1-based); infinity for no match."""
+    return text.count("\n", 0, match.start()) + 1 if match else float("inf")
+
+
 def python_blocks(path: Path) -> list[tuple[int, str]]:
     """``(line of the opening fence, code)`` of every top-level ```python block in ``path``."""
     text = path.read_text()
-    return [(text.count("\n", 0, m.start()) + 1, m.group(1)) for m in _BLOCK.finditer(text)]
+    return [(_line_of(text, m), m.group(1)) for m in _BLOCK.finditer(text)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -62,10 +67,6 @@ def test_every_python_fence_is_extracted(path):
         f"{path.name}: a ```python fence is indented or unterminated; write python blocks at "
         f"the top level so tests/test_docs.py runs them"
     )
-
-
-def _line_of(text: str, match: re.Match | None) -> float:
-    return text.count("\n", 0, match.start()) + 1 if match else float("inf")
 
 
 def python_parts(path: Path) -> list[list[tuple[int, str]]]:

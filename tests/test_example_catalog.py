@@ -172,7 +172,7 @@ def test_reference_profile_sets_the_distance_integrated_column(tmp_path, capsys)
     # that oracle, which has the profile but not the data's plane-of-sky field.
     cat_path, truth_path = families.write_family("steep_profile", str(tmp_path), "tiny")
     ref_path = str(tmp_path / "ref.npy")
-    np.save(ref_path, np.load(truth_path)["sky"].mean(axis=0, dtype=np.float64))
+    np.save(ref_path, reconstruct.oracle_profile(np.load(truth_path)["sky"]))
     args = ["--data", cat_path, "--truth", truth_path, "--samples", "8", "--no-figures"]
     summ = reconstruct.main([*args, "--profile", ref_path, "--out", str(tmp_path / "o")])
     m = summ["evaluation"]

@@ -427,6 +427,11 @@ def write_outputs(out: str, cat: Catalog, rec: dict, truth: dict | None = None, 
     )
 
 
+def oracle_profile(truth_sky: Any) -> np.ndarray:
+    """The oracle baseline's radial profile: the true sky's mean over pixels, per bin (float64)."""
+    return np.asarray(truth_sky).mean(axis=0, dtype=np.float64)
+
+
 def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     """Figures against a known truth (``(n_pix, n_bins)``): relative errors of the sky, the
     distance-integrated column and the ``1/r^2``-weighted column, those of the oracle radial-profile
@@ -435,7 +440,7 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     x = np.asarray(truth_sky, np.float32)
     db = np.diff(cat.edges)
     dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
-    oracle = x.mean(axis=0, dtype=np.float64)
+    oracle = oracle_profile(x)
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
     # the sky's errors in pixel blocks (no sky-sized temporaries at the users' size)
     sq = np.zeros(3)

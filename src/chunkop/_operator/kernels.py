@@ -293,14 +293,12 @@ def _segment_transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any) -> 
 
     (slices,) = jax.linear_transpose(per_row, local_x)(y_s)
     slices = _tu.tree_map(lambda a: a[:, 0], slices)
-    new = jnp.concatenate([jnp.ones((1,), bool), targets[1:] != targets[:-1]])
-    last = jnp.concatenate([targets[1:] != targets[:-1], jnp.ones((1,), bool)])
-    sums = _segment_sums(new, slices)
-    valid = last & (targets >= 0) & (targets < n)
+    change = targets[1:] != targets[:-1]
+    edge = jnp.ones((1,), bool)
+    sums = _segment_sums(jnp.concatenate([edge, change]), slices)  # runs start where the target changes
+    valid = jnp.concatenate([change, edge]) & (targets >= 0) & (targets < n)  # each run's last row, on the grid
     where = jnp.where(valid, targets, n + jnp.arange(size, dtype=targets.dtype))  # unique; the rest dropped
-    return _tu.tree_map(
-        lambda s, v: jnp.zeros(s.shape, s.dtype).at[where].add(v, mode="drop", unique_indices=True), in_struct, sums
-    )
+    return _tu.tree_map(lambda z, v: z.at[where].add(v, mode="drop", unique_indices=True), _zeros(in_struct), sums)
 
 
 def _tangent(primal: Any, tangent: Any) -> Any:

@@ -364,7 +364,7 @@ class RowOperator(AbstractRowOperator):
         if chunk_size == "auto":  # planned on that one trace of row_fn
             self.budget_plan = row_plan.plan_rows(spec, self.consts, rows, memory_budget)
             chunk_size = self.budget_plan.chunk or n_rows
-        self.spec = spec.at(chunk_size, progress, segment_key)
+        self.spec = spec.at(chunk_size, progress)  # (the transpose kept)
         self.rows = rows
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
 
