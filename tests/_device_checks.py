@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+
 # The suite compiles cheaply (set by conftest.py, passed on to every subprocess here): LLVM at -O0
 # and XLA's legacy CPU fusion emitters instead of the new MLIR ones, about 2.4x less backend
 # compile time in all, compile-bound as the suite is (whole suite: 745 s -> 467 s on 2 cores).
@@ -28,7 +29,18 @@ from pathlib import Path
 # at XLA's defaults, and .ci/run reruns the docs' examples and test_reduce there. One test
 # compiles at the default emitters (test_example_nifty: jaxlib 0.10.2's legacy emitters
 # miscompile its plain jax.vmap reference).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+def _jaxlib_version() -> tuple:
+    from importlib.metadata import version
+
+    return tuple(int(p) for p in version("jaxlib").split(".")[:2] if p.isdigit())
+
+
+#: Whether this jaxlib's XLA still has the legacy CPU emitters' switch: it was removed by jaxlib
+#: 0.11/0.12 (Python >= 3.12 installs those), where XLA aborts at start on an unknown flag.
+LEGACY_EMITTERS = _jaxlib_version() < (0, 11)
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if LEGACY_EMITTERS else ""
+)
 
 
 def subprocess_env(*strip: str) -> dict:

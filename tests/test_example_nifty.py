@@ -24,6 +24,7 @@ jft = pytest.importorskip("nifty.re")
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
 import nifty_vi  # noqa: E402
+from _device_checks import LEGACY_EMITTERS  # noqa: E402
 from conftest import assert_tree_allclose  # noqa: E402
 
 
@@ -40,7 +41,8 @@ def _random_position(lh, key):
 # Compiled with XLA's default CPU fusion emitters, not the suite's cheaper legacy ones
 # (tests/_device_checks.py, TEST_XLA_FLAGS): jaxlib 0.10.2's legacy emitters miscompile the plain
 # jax.vmap reference's vmapped metric here (the same HLO gives tangents 1 and 2 off by 40-50%).
-@functools.partial(jax.jit, compiler_options={"xla_cpu_use_fusion_emitters": True})
+# (A jaxlib without the legacy emitters has only the default ones.)
+@functools.partial(jax.jit, compiler_options={"xla_cpu_use_fusion_emitters": True} if LEGACY_EMITTERS else None)
 def _everything(lh, x, t, ts):
     """Forward model, energy, gradient, metric (one tangent and vmapped), and ``J^T N^-1 J t``
     built by hand from ``jax.jvp``/``jax.vjp`` of the forward model."""

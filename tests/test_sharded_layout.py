@@ -2,10 +2,10 @@
 transform object itself (immutable, binds like a function).
 
 The sharded checks live in ``tests/_sharded_layout_checks.py`` and run in one subprocess with 4
-CPU devices. Those the current sharded path (a manual ``jax.shard_map`` whose body traces
-``fun``) still fails are ``xfail(strict=True)`` with the error it gives: a device layout
-(``(devices, n / devices)`` under ``jax.vmap(spmd_axis_name=...)``) fixed each of them, but was
-not adopted (see ``KNOWN``).
+CPU devices, against ``jax.vmap`` on the unsharded input. Each failed under the former sharded
+path (a manual ``jax.shard_map`` whose body traced ``fun``); the device layout
+(:func:`chunkop._loops.device_loop`: the mapped axis as ``(devices, shard)``, each device's loop
+under ``jax.vmap`` over the device axis, in the caller's mesh context) runs them all.
 """
 
 from __future__ import annotations
@@ -29,30 +29,13 @@ NAMES = [
     "concrete_unmapped_values_in_python",
     "jacobians_on_explicit_mesh",
 ]
-#: What the manual shard_map path still raises. The device layout ran them all, but on an Explicit
-#: mesh it needs fun's examples traced with their mesh type (``_trace._example_struct``) and the
-#: sum loop's accumulators created on the mesh (JAX 0.10.2: ``jax.vmap`` along an Explicit mesh
-#: axis under ``jit`` fails on sub-jaxpr values created without a mesh), it fails where
-#: ``jax.vmap`` fails (a replicated table gathered by sharded indices), and its compiled temp
-#: memory was not bounded by the chunk (a shard-sized copy forward; under ``grad`` the unchunked
-#: program's temp).
-KNOWN = {
-    "closure_over_mesh_array_indexed": "Context mesh ... (Manual) should match the mesh of sharding",
-    "closure_over_prng_key_folded_with_data": "Explicit mesh: closing over inputs to shard_map is not "
-    "implemented; traced outside the mesh: a key dtype error",
-    "sharding_constraint_inside_fun": "P(UNCONSTRAINED, ...) cannot contain P.UNCONSTRAINED ... (Manual,)",
-    "concrete_unmapped_values_in_python": "ConcretizationTypeError inside the shard_map body",
-}
-
-
 _RESULTS: dict = {}
 
 
 def _result(name: str) -> str:
-    """The check's result, run alone in its own 4-device interpreter (so that the known failures,
-    marked slow, cost nothing in the default run)."""
-    if name not in _RESULTS:
-        _RESULTS.update(run_script(SCRIPT, [name]))
+    """The checks' results, run together in one 4-device interpreter."""
+    if not _RESULTS:
+        _RESULTS.update(run_script(SCRIPT, NAMES))
     return _RESULTS.get(name, "check not run")
 
 
@@ -60,13 +43,7 @@ def test_every_check_is_listed():
     assert sorted(defined_checks(SCRIPT)) == sorted(NAMES)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[n]), pytest.mark.slow]) if n in KNOWN else n
-        for n in NAMES
-    ],
-)
+@pytest.mark.parametrize("name", NAMES)
 def test_sharded_like_jax_vmap(name: str) -> None:
     assert _result(name) == "ok", _result(name)
 

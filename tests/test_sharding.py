@@ -19,6 +19,7 @@ NAMES = [
     "vmap_values_explicit",
     "vmap_values_auto",
     "vmap_chunks_each_local_shard",
+    "sharded_temp_memory_bounded_by_the_chunk",
     "vmap_other_axes_and_pytrees",
     "vmap_grad",
     "vmap_spmd_axis_name_auto_under_jit",

@@ -270,9 +270,16 @@ def _explicit_mesh_context() -> bool:
 
 
 def _full_chunks(
-    chunk_fn: Callable[[list, int], Any], mapped: Sequence[jax.Array], plan: ChunkPlan, remat: Remat, recompute: bool
+    chunk_fn: Callable[[list, int], Any],
+    mapped: Sequence[jax.Array],
+    plan: ChunkPlan,
+    remat: Remat,
+    recompute: bool,
+    by_index: bool = False,
 ) -> tuple[Any, Callable[[Any], Any]]:
-    """What the scan runs over, and the (rematerialised) body applied to one item of it."""
+    """What the scan runs over, and the (rematerialised) body applied to one item of it.
+    ``by_index``: read chunks by index also in an Explicit mesh context (a device's loop under
+    ``jax.vmap`` over the devices, where the index read's reverse mode passes JAX's checks)."""
     index = jnp.arange(plan.n_full, dtype=jnp.int32)  # (also the barrier's predicate: never batched)
     # Chunks are read by index from the inputs inside the body: a scan over a reshape
     # (n_full, chunk, ...) of them would be free alone, but under an enclosing jax.vmap the scan's
@@ -281,7 +288,7 @@ def _full_chunks(
     # the index read (a dynamic_update_slice of an unsharded chunk into a cotangent JAX types as
     # sharded) fails JAX's sharding checks.
     # Without remat the residuals cost far more than a copy; an empty axis has no chunk to read.
-    if remat is False or plan.size == 0 or (plan.rem == 0 and _explicit_mesh_context()):
+    if remat is False or plan.size == 0 or (plan.rem == 0 and not by_index and _explicit_mesh_context()):
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
         apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)
@@ -313,6 +320,7 @@ def stack_chunks(
     progress: Progress = None,
     recompute_custom_vjp: bool = False,
     axes: Sequence[int] | None = None,
+    by_index: bool = False,
 ) -> tuple[list, list]:
     """Run ``chunk_fn`` over every chunk of the mapped arrays (leading axis ``plan.size``).
 
@@ -327,6 +335,7 @@ def stack_chunks(
         progress: None/False, True (a progress bar) or ``progress(k, n)``: see ``_progress``.
         recompute_custom_vjp: see :func:`rematerialise`.
         axes: where each of ``chunk_fn``'s ``ys`` has its chunk axis (default: 0 for all).
+        by_index: see :func:`_full_chunks`.
 
     Returns:
         ``(ys, zs)``: every ``ys`` leaf stacked over the whole axis (``plan.size`` long, at its
@@ -335,7 +344,7 @@ def stack_chunks(
     if plan.n_full == 1 and not plan.rem:  # one chunk (an "auto" plan that fits): no loop, no report
         ys, zs = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
         return list(ys), list(zs)
-    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
+    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp, by_index)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
 
@@ -371,17 +380,19 @@ def sum_chunks(
     init: Any,
     progress: Progress = None,
     recompute_custom_vjp: bool = False,
+    by_index: bool = False,
 ) -> Any:
     """Accumulate ``init + sum over chunks of chunk_fn(chunk_arrays, m)`` (a pytree of arrays).
 
     Only the running sum is carried, so neither the forward pass nor (with ``remat``) the
-    backward pass holds per-element outputs. ``recompute_custom_vjp``: see :func:`rematerialise`.
+    backward pass holds per-element outputs. ``recompute_custom_vjp``: see :func:`rematerialise`;
+    ``by_index``: see :func:`_full_chunks`.
     """
     if plan.n_full == 1 and not plan.rem:  # one chunk: no loop, no report
         return jax.tree_util.tree_map(
             jnp.add, init, rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
         )
-    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
+    xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp, by_index)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
 

@@ -11,6 +11,7 @@ keeps no user function alive. Three kinds:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunk
 from ._progress import Progress
 from ._trace import eval_traced
 
-__all__ = ["KINDS", "LoopSpec", "finish_sums", "make_loop", "result_dtype", "sum_dtypes"]
+__all__ = ["KINDS", "LoopSpec", "device_loop", "finish_sums", "make_loop", "result_dtype", "sum_dtypes"]
 
 #: The kinds of chunked transform: how chunk outputs combine.
 KINDS = ("stack", "sum", "mean")
@@ -36,6 +37,7 @@ class LoopSpec(NamedTuple):
     spmd_axis_name: Any
     out_axes: tuple  # flat, one per output leaf (stacking loops only)
     progress: Progress = None
+    devices: int = 1  # > 1: the loop of one device's shard, run by device_loop
 
 
 def result_dtype(kind: str, dtype: Any) -> Any:
@@ -95,6 +97,7 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
             progress=spec.progress,
             recompute_custom_vjp=True,
             axes=[oaxes[k] for k in stacked],
+            by_index=spec.devices > 1,
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
@@ -108,23 +111,109 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
 
 def _sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callable[[list, list], Any]:
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-    final, acc = sum_dtypes(kind, out_leaves)
-    plan = spec.plan
+    final, _ = sum_dtypes(kind, out_leaves)
+    accumulate = _accumulation(jaxpr, out_shapes, spec, kind)
 
     def loop(consts: list, mapped: list) -> Any:
+        total = accumulate(consts, mapped, _zero_sums(kind, out_leaves))
+        return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, spec.plan.size, final))
+
+    return loop
+
+
+def _zero_sums(kind: str, out_leaves: list, lead: tuple = ()) -> list:
+    """The running sums' starting values (``lead`` prepended to each shape)."""
+    return [jnp.zeros(lead + tuple(s.shape), d) for s, d in zip(out_leaves, sum_dtypes(kind, out_leaves)[1])]
+
+
+def _accumulation(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callable[[list, list, list], list]:
+    """``(consts, mapped, init) -> init + the chunk sums`` (flat, in the accumulation dtypes)."""
+    _, acc = sum_dtypes(kind, jax.tree_util.tree_leaves(out_shapes))
+
+    def accumulate(consts: list, mapped: list, init: list) -> list:
         wide = widen(consts)
 
         def chunk_fn(chunk: list, m: int) -> list:
             outs = _chunk_vmap(jaxpr, spec, wide, consts, 0, m)(*chunk)
             return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
 
-        init = [jnp.zeros(s.shape, d) for s, d in zip(out_leaves, acc)]
-        total = sum_chunks(
-            chunk_fn, _moved(mapped, spec.axes), plan, spec.remat, init, spec.progress, recompute_custom_vjp=True
+        return sum_chunks(
+            chunk_fn,
+            _moved(mapped, spec.axes),
+            spec.plan,
+            spec.remat,
+            init,
+            spec.progress,
+            recompute_custom_vjp=True,
+            by_index=spec.devices > 1,
         )
-        return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, plan.size, final))
+
+    return accumulate
+
+
+def device_loop(
+    kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec, shards: int, spmd_names: tuple | None
+) -> Callable[[list, list], Any]:
+    """The chunk loop over mapped leaves whose mapped axis is split over ``shards`` devices.
+
+    Each mapped leaf's axis of ``shards * spec.plan.size`` elements is reshaped to ``(shards,
+    spec.plan.size)`` (free: the device axis is the sharded, major one), and the loop of one
+    device's shard (``spec``: its plan, chunks of that shard) runs under ``jax.vmap`` over the
+    device axis, so XLA's partitioner gives each device its own loop over its own rows; no
+    ``shard_map``, so ``fun`` runs in the caller's mesh context and sees what ``jax.vmap`` shows
+    it. Stacked outputs are merged back along their ``out_axes`` (sharded like the inputs);
+    sums add the devices' running sums (one all-reduce) before ``"mean"`` divides.
+
+    Args:
+        kind, jaxpr, out_shapes: as :func:`make_loop`.
+        spec: the loop of one device's shard (``spmd_axis_name`` None: its chunks are local;
+            ``devices``: ``shards``).
+        shards: the number of devices along the mapped axis.
+        spmd_names: the mesh axes the device axis is sharded over, passed as ``jax.vmap``'s
+            ``spmd_axis_name`` (on an Auto mesh); None where the arrays' types carry it
+            (an Explicit mesh).
+
+    Returns:
+        ``(consts, mapped_leaves) -> result``, on the whole (sharded) leaves.
+    """
+    out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
+    local = spec.plan.size
+    split = lambda x, a: x.reshape(x.shape[:a] + (shards, local) + x.shape[a + 1 :])
+    merge = lambda y, a: y.reshape(y.shape[:a] + (shards * local,) + y.shape[a + 2 :])
+    vmap = functools.partial(jax.vmap, axis_size=shards, spmd_axis_name=spmd_names)
+    if kind == "stack":
+        oaxes = list(spec.out_axes)
+        per_device = make_loop(kind, jaxpr, out_shapes, spec)
+
+        def loop(consts: list, mapped: list) -> Any:
+            flat = lambda *m: jax.tree_util.tree_leaves(per_device(consts, list(m)))
+            outs = vmap(flat, in_axes=list(spec.axes), out_axes=oaxes)(*map(split, mapped, spec.axes))
+            merged = [o if a is None else merge(o, a) for o, a in zip(outs, oaxes)]
+            return jax.tree_util.tree_unflatten(out_tree, merged)
+
+        return loop
+    final, acc = sum_dtypes(kind, out_leaves)
+    accumulate = _accumulation(jaxpr, out_shapes, spec, kind)
+
+    def loop(consts: list, mapped: list) -> Any:
+        # The running sums start batched over the devices (created here, not broadcast by the
+        # scan's batching rule inside the loop: jax 0.10 loses the mesh there on Explicit meshes).
+        init = _zero_sums(kind, out_leaves, (shards,))
+        if spmd_names is None and mapped:
+            init = [jax.sharding.reshard(z, _leading_like(mapped[0], spec.axes[0], z.ndim)) for z in init]
+        per = vmap(lambda m, i: accumulate(consts, m, i), in_axes=(list(spec.axes), 0))(
+            list(map(split, mapped, spec.axes)), init
+        )
+        total = [jnp.sum(p, axis=0, dtype=d) for p, d in zip(per, acc)]
+        return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, shards * local, final))
 
     return loop
+
+
+def _leading_like(x: jax.Array, axis: int, ndim: int) -> Any:
+    """The spec sharding a leading axis as ``x`` (its type) shards its ``axis``, for ``ndim`` dims."""
+    entry = tuple(jax.typeof(x).sharding.spec)[axis] if axis < len(jax.typeof(x).sharding.spec) else None
+    return jax.sharding.PartitionSpec(entry, *([None] * (ndim - 1)))
 
 
 def make_loop(kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:

@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import PartitionSpec as P
 
 from ._tree import has_shape
 from ._tree import is_float as _is_float
@@ -446,7 +447,25 @@ def _tap_batch(args: tuple, dims: tuple, **params: Any) -> tuple:
 
 _tap_p.def_impl(_tap_impl)
 _tap_p.def_abstract_eval(_tap_abstract_eval)
-mlir.register_lowering(_tap_p, mlir.lower_fun(_tap_lowered, multiple_results=True), cacheable=False)
+
+
+def _unsharded(aval: Any) -> Any:
+    """``aval`` typed on no mesh (see :func:`_tap_lowering`)."""
+    if not isinstance(aval, jax.core.ShapedArray) or aval.sharding.mesh.empty:
+        return aval
+    return aval.update(sharding=jax.sharding.NamedSharding(jax.sharding.AbstractMesh((), ()), P()))
+
+
+def _tap_lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+    """The tap's lowering (:func:`_tap_lowered`), traced on its operands' shapes without their
+    mesh types: its one-element slices and update are plain HLO, which XLA's partitioner places
+    (on an Explicit mesh their types would refuse a one-element slice of a sharded axis)."""
+    ctx = ctx.replace(avals_in=[_unsharded(a) for a in ctx.avals_in], avals_out=[_unsharded(a) for a in ctx.avals_out])
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        return mlir.lower_fun(_tap_lowered, multiple_results=True)(ctx, *args, **params)
+
+
+mlir.register_lowering(_tap_p, _tap_lowering, cacheable=False)
 ad.primitive_jvps[_tap_p] = _tap_jvp
 ad.primitive_transposes[_tap_p] = _tap_transpose
 batching.primitive_batchers[_tap_p] = _tap_batch

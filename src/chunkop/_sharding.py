@@ -3,21 +3,21 @@
 When a mapped argument of ``chunkop.vmap`` / ``map`` / ``sum`` / ``mean`` is sharded along its
 mapped axis over mesh axes ``names`` (a ``NamedSharding`` on a concrete array, on an Auto or an
 Explicit mesh; or, under ``jax.jit``, the sharding in the argument's type on an Explicit mesh),
-the chunked function is run inside a ``jax.shard_map`` over those mesh axes: every device
-maps its local shard chunk by chunk, and
+each device runs the chunk loop of its own shard (:func:`chunkop._loops.device_loop`: the mapped
+axis laid out as ``(devices, shard)``, the loop under ``jax.vmap`` over the device axis), and
 
 - stacked outputs come back sharded along the mapped axis the same way (``out_axes``);
 - outputs with ``out_axes=None`` are replicated (as in ``jax.vmap`` they must not vary);
-- ``chunkop.sum`` / ``mean`` add (``psum``) / average (``pmean``) the per-device results: one
-  all-reduce per call, and no all-gather of the inputs.
+- ``chunkop.sum`` / ``mean`` add the per-device sums: one all-reduce per call, and no
+  all-gather of the inputs.
 
-Unmapped arguments are passed replicated. Under ``jax.jit`` on an Auto mesh the argument types
-carry no sharding, so there is nothing to detect: use an Explicit mesh (``jax.make_mesh``'s
-default) or call outside ``jit`` with sharded arrays.
+Under ``jax.jit`` on an Auto mesh the argument types carry no sharding, so there is nothing to
+detect: ``spmd_axis_name`` names the mesh axes, or use an Explicit mesh (``jax.make_mesh``'s
+default).
 
-The row-sharded kernels of :class:`chunkop.RowOperator` are in :mod:`chunkop._operator.row_sharding`;
-they use this module's :class:`MeshAxes` and its resharding to a ``shard_map``'s specs. The
-``shard_map`` of the chunked transforms is built by :class:`chunkop._transform.Chunked`.
+This module finds the mesh axes (:func:`mapped_mesh_axes`) and reshards to specs
+(:func:`_conform`); the row-sharded kernels of :class:`chunkop.RowOperator`
+(:mod:`chunkop._operator.row_sharding`, a ``shard_map`` over the rows) use both.
 """
 
 from __future__ import annotations
@@ -148,15 +148,39 @@ def mapped_mesh_axes(
     return found
 
 
+def mesh_context(mesh_axes: MeshAxes) -> Any:
+    """The mesh of ``mesh_axes`` as the current mesh (``jax.set_mesh``), where none is set and
+    it is concrete (sharded arrays called on outside a ``jax.set_mesh`` context): the chunked
+    program's device axis is then sharded over that mesh's axes by name."""
+    if jax.sharding.get_abstract_mesh().empty and isinstance(mesh_axes.mesh, jax.sharding.Mesh):
+        return jax.set_mesh(mesh_axes.mesh)
+    return contextlib.nullcontext()
+
+
+def unsplit(leaves: list, axes: list, mesh_axes: MeshAxes) -> list:
+    """The mapped leaves no longer typed as split along their mapped axis (an Explicit mesh axis
+    of size 1 splits nothing: resharding moves no data), so that they chunk as on one device."""
+    if not _explicit(mesh_axes):
+        return leaves
+
+    def unsplit_one(x: Any, axis: int | None) -> Any:
+        s = _sharding_of(x)
+        if axis is None or s is None:
+            return x
+        spec = (*tuple(s.spec), *([None] * (x.ndim - len(s.spec))))
+        return jax.sharding.reshard(x, NamedSharding(mesh_axes.mesh, P(*spec[:axis], None, *spec[axis + 1 :])))
+
+    return [unsplit_one(x, a) for x, a in zip(leaves, axes)]
+
+
 def spec_at(axis: int, names: tuple) -> P:
     """The spec sharding an array's ``axis`` over the mesh axes ``names``."""
     return P(*([None] * axis), names if len(names) > 1 else names[0])
 
 
 # ----------------------------------------------------------------------------------------------
-# RowOperator with rows sharded along the row axis: in _operator/row_sharding.py. Here: resharding
-# to the specs a shard_map expects on an Explicit mesh (the transforms' dispatch and the
-# row-sharded kernels both use it).
+# Resharding to the specs the sharded programs expect on an Explicit mesh (the transforms' device
+# layout and the row-sharded kernels' shard_map both use it).
 
 
 def _explicit(mesh_axes: MeshAxes) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from . import _jaxpr
 from ._axes import replace_at
@@ -62,10 +63,19 @@ class Traced(NamedTuple):
 
 
 def _example_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
-    """The abstract value of one example of ``x`` mapped along ``axis``."""
+    """The abstract value of one example of ``x`` mapped along ``axis``: on a mesh (``x``'s type
+    names one: an Explicit mesh) typed there, sharded as ``x`` is along its other axes, as
+    ``jax.vmap`` shows it (a value typed on no mesh would carry that into every equation of the
+    trace, which ``jax.vmap`` along a mesh axis then fails on)."""
     aval = jax.typeof(x)
     shape = tuple(d for k, d in enumerate(aval.shape) if k != axis)
-    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+    weak = getattr(aval, "weak_type", False)
+    sharding = getattr(aval, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty:
+        return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak)
+    spec = (*tuple(sharding.spec), *([None] * (len(aval.shape) - len(sharding.spec))))
+    example = jax.sharding.NamedSharding(sharding.mesh, P(*(e for k, e in enumerate(spec) if k != axis)))
+    return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak, sharding=example)
 
 
 def eval_traced(jaxpr: Any, consts: list, *args: Any) -> list:
@@ -476,7 +486,9 @@ def trace_example(
     if axis_name is not None:
         _check_collectives(closed, axis_name, n_env, chunk_size, where)
     try:
-        key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes))
+        # (the mesh the examples are typed on, and the context's: the jaxpr's values carry them)
+        meshes = (tuple(s.sharding for s in structs), jax.sharding.get_abstract_mesh())
+        key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes), meshes)
     except ClosesOverTracer:
         return Traced(closed.jaxpr, list(closed.consts), out_shapes, None, False)
     except Uncacheable:

@@ -11,10 +11,9 @@ says how the chunk outputs combine. Every call goes through one pipeline, each s
    sharding (each device chunks its own shard), the progress setting (:class:`LoopSpec`);
 5. one compiled loop runs (:func:`chunkop._loops.make_loop`, cached by what was traced).
 
-No stage calls back into an earlier one: with sharded inputs the same trace is run, inside one
-``jax.shard_map``, by a loop planned for each device's shard; the wrapper is never re-entered.
-Eagerly, that ``shard_map`` is traced and planned without compiling, then run by a program
-cached under the trace's by-value key (:func:`_sharded_program`), its constants passed in.
+No stage calls back into an earlier one: with sharded inputs the same stages plan one device's
+shard, and one compiled program runs each device's loop (:func:`chunkop._loops.device_loop`);
+the wrapper is never re-entered.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from . import _budget, _sharding
 from ._axes import (
@@ -42,10 +40,9 @@ from ._axes import (
 from ._cache import cached
 from ._chunking import Remat, make_plan
 from ._fingerprint import Uncacheable, setting_key
-from ._loops import KINDS, LoopSpec, finish_sums, make_loop, sum_dtypes
+from ._loops import KINDS, LoopSpec, device_loop, finish_sums, make_loop, sum_dtypes
 from ._progress import Progress, check_progress
 from ._trace import CollectiveError, Traced, trace_example
-from ._tree import has_shape
 
 __all__ = ["BoundChunked", "Chunked"]
 
@@ -151,8 +148,10 @@ class Chunked:
         if chunk is None or (chunk != "auto" and n <= chunk):
             return self._unchunked(args, kwargs)
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
-        if sharded is not None:
+        if sharded is not None and sharded.n_shards > 1:
             return self._call_sharded(args, kwargs, leaves, treedef, axes, n, sharded)
+        if sharded is not None:  # over mesh axes of one device: as on one device
+            leaves = _sharding.unsplit(leaves, axes, sharded)
         if chunk == "auto" and n <= 1:
             return self._unchunked(args, kwargs)
         # -- stage 3: fun traced once
@@ -214,9 +213,10 @@ class Chunked:
             axes=tuple(a for a in axes if a is not None),
             plan=make_plan(n, n if chunk == "auto" else min(chunk, n)),
             remat=self.remat,
-            spmd_axis_name=self.spmd_axis_name,
+            spmd_axis_name=self.spmd_axis_name if shards == 1 else None,  # (devices: device_loop's)
             out_axes=self._flat_out_axes(traced.out_shapes),
             progress=self.progress,
+            devices=shards,
         )
         if chunk == "auto":
             probe = spec._replace(progress=None)
@@ -246,16 +246,10 @@ class Chunked:
         if n <= 1:
             return self._record(_budget.unchunked_plan(n, self.memory_budget, leaves))
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
-        if sharded is not None:
-            call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, sharded, plan_only=True)
-            try:
-                jax.eval_shape(call, *inputs)
-            except _Fallback:
-                pass  # a collective over axis_name: unchunked (last_plan says so)
-            return self.last_plan
-        traced = self._trace(leaves, treedef, axes, n)
-        if traced is not None:
-            self._plan(traced, axes, n, [leaves[i] for i, a in enumerate(axes) if a is not None])
+        shards = 1 if sharded is None else self._check_even(n, sharded)
+        traced = self._trace(leaves, treedef, axes, n, shards, () if sharded is None else sharded.names)
+        if traced is not None:  # (else a collective over axis_name: unchunked, last_plan says so)
+            self._plan(traced, axes, n // shards, _local_structs(leaves, axes, n // shards), shards)
         return self.last_plan
 
     def _flat_out_axes(self, out_shapes: Any) -> tuple:
@@ -287,182 +281,34 @@ class Chunked:
             )
         return shards
 
-    def _sharded_specs(self, leaves: list, axes: list, mesh_axes: Any) -> tuple[list, list]:
-        """The leaves a ``shard_map`` takes, the array-like ones (mapped ones split along their
-        axis, the others replicated): their positions and specs. Other leaves (Python numbers,
-        strings ...) reach ``fun`` as themselves."""
-        at = [i for i, x in enumerate(leaves) if has_shape(x)]
-        return at, [P() if axes[i] is None else _sharding.spec_at(axes[i], mesh_axes.names) for i in at]
-
-    def _shard_mapped(
-        self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any, plan_only: bool = False
-    ) -> tuple[Callable, list, dict]:
-        """The ``jax.shard_map`` whose body runs stages 3-5 on one device's shard, its inputs
-        (resharded to its specs) and what its trace found: ``fun`` traced once there
-        (axis-size queries give the whole axis), the plan made for the shard, one loop. With
-        ``plan_only`` (run it under ``jax.eval_shape``: nothing is compiled) the body stops
-        after the plan and leaves ``found["prepared"] = (traced, spec)``. Raises
-        :class:`_Fallback` while tracing when the call must run without ``shard_map``."""
-        shards = self._check_even(n, mesh_axes)
-        at, specs = self._sharded_specs(leaves, axes, mesh_axes)
-        mapped_at = [i for i, a in enumerate(axes) if a is not None]
-        found: dict = {}
-
-        def local_result(*d: Any) -> Any:
-            local = replace_at(leaves, at, d)
-            traced = self._trace(local, treedef, axes, n, shards, mesh_axes.names)
-            if traced is None or not traced.stageable:
-                raise _Fallback(traced)
-            mapped = [local[i] for i in mapped_at]
-            spec = self._plan(traced, axes, n // shards, mapped, shards)
-            if plan_only:
-                found["prepared"], found["inputs"] = (traced, spec), d
-                return None
-            return _run_loop(self.kind, traced, spec, traced.consts, mapped), spec.out_axes
-
-        call = _shard_map_call(self.kind, mesh_axes, specs, local_result, plan_only)
-        return call, _sharding._conform([leaves[i] for i in at], specs, mesh_axes), found
-
     def _call_sharded(
         self, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any
     ) -> Any:
-        """Each device chunks its own shard of the mapped axis (see :meth:`_shard_mapped`).
+        """Each device chunks its own shard of the mapped axis (:func:`chunkop._loops.device_loop`).
 
-        Called eagerly (no input is a tracer), the ``shard_map`` is compiled once per key: the
-        body is traced and planned under ``jax.eval_shape`` (``fun`` traced once, nothing
-        compiled), and the compiled program, keyed like the loops by what was traced (by
-        value), takes the trace's constants as arguments (also values of an enclosing
-        transform ``fun`` closes over: closed over by the body, their types would carry the
-        outer mesh; such a call is not cached). With traced inputs (under ``jit``, ``grad`` ...)
-        the enclosing compilation already happens once: the body traces ``fun`` itself.
-
-        A ``fun`` closing over a value typed on an Explicit mesh (an array created under
-        ``jax.set_mesh``, a ``jax.vmap`` tracer there) cannot be traced in any ``shard_map``
-        body: it is traced outside, without a mesh (:meth:`_call_sharded_traced_outside`); if
-        it needs its mesh there too, a ``ValueError`` says to pass the value as an unmapped
-        argument."""
-        try:
-            if any(isinstance(x, jax.core.Tracer) for x in leaves):
-                call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)
-                return call(*inputs)
-            return self._call_sharded_eager(leaves, treedef, axes, n, mesh_axes)
-        except _Fallback as e:
-            traced = e.args[0]
-        except NotImplementedError as e:
-            if "Closing over inputs to shard_map" not in str(e):
-                raise
-            try:  # trace outside the body, without a mesh, as a RowOperator's row_fn is
-                return self._call_sharded_traced_outside(leaves, treedef, axes, n, mesh_axes)
-            except Exception as outside:  # noqa: BLE001 - reported below, with the reason
-                reason = f"{type(outside).__name__}: {str(outside).splitlines()[0] if str(outside) else ''}"
-            raise ValueError(
-                f"{self.where}: the mapped inputs are sharded over the Explicit mesh axes "
-                f"{mesh_axes.names}, so each device chunks its shard inside a jax.shard_map; `fun` "
-                f"closes over a value typed on that mesh (an array created under jax.set_mesh, or a "
-                f"value of an enclosing jax.vmap), which JAX does not let a shard_map body close "
-                f"over, and `fun` could not be traced outside the mesh context either (it uses the "
-                f"mesh: a reshard, a sharding constraint, a mesh-axis collective). Pass that value "
-                f"to the chunked function as an argument with in_axes=None (it then reaches every "
-                f"device replicated), or use chunk_size=None (exactly jax.vmap, unchunked). JAX's "
-                f"message: {str(e).splitlines()[0]} Traced outside the mesh: {reason}"
-            ) from None
-        if traced is None or self.axis_name is not None:  # a collective over axis_name: as jax.vmap
-            return self._unchunked(args, kwargs)
-        # a custom rule closes over a tracer of an enclosing transform: no staging boundary
-        chunk = n if self.chunk_size == "auto" else self.chunk_size
-        return self._unstaged(leaves, treedef, axes, n, chunk, traced.out_shapes)
-
-    def _call_sharded_eager(self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any) -> Any:
-        """An eager sharded call: traced and planned once (no compile), then run by the cached
-        program for what was traced (see :func:`_sharded_program`)."""
-        plan_call, inputs, found = self._shard_mapped(leaves, treedef, axes, n, mesh_axes, plan_only=True)
-        jax.eval_shape(plan_call, *inputs)  # stages 3-4 on one device's shard (raises _Fallback)
-        traced, spec = found["prepared"]
-        at, specs = self._sharded_specs(leaves, axes, mesh_axes)
-        mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
-        # Each constant of the trace is an unmapped input of the body (read there from the
-        # program's inputs), a value (passed in, replicated) or a value of an enclosing
-        # transform (a jax.vmap / grad tracer: passed in too, since closed over by the body its
-        # type would carry the outer mesh; such a call is not cached).
-        body_inputs = {id(t): k for k, t in enumerate(found["inputs"])}
-        body_trace = getattr(found["inputs"][0], "_trace", None) if found["inputs"] else None
-        from_input = []
-        for c in traced.consts:
-            if id(c) not in body_inputs and isinstance(c, jax.core.Tracer) and getattr(c, "_trace", None) is body_trace:
-                call, inputs, _ = self._shard_mapped(leaves, treedef, axes, n, mesh_axes)  # computed in the body
-                return call(*inputs)
-            from_input.append(body_inputs.get(id(c), -1))
-        return self._run_sharded(traced, spec, mesh_axes, specs, mapped_k, inputs, tuple(from_input), "body")
-
-    def _call_sharded_traced_outside(self, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any) -> Any:
-        """A sharded call whose ``fun`` closes over values typed on an Explicit mesh (an array
-        created under ``jax.set_mesh``), which no ``shard_map`` body may close over: ``fun`` is
-        traced outside the body, in an empty mesh context (its equations then carry no mesh and
-        run inside the body, as a ``RowOperator``'s ``row_fn`` does), planned for one device's
-        shard, and run by :func:`_sharded_program` with its constants passed in as arguments.
-        Raises when ``fun`` needs its mesh context (the caller then explains the limitation)."""
+        The same stages as an unsharded call, in the caller's mesh context: ``fun`` traced once
+        (axis-size queries give the whole axis), the plan made for one device's shard, one
+        compiled program, cached like the loops by what was traced. No ``shard_map``: ``fun``
+        sees what ``jax.vmap`` shows it (closed-over mesh arrays, sharding constraints, concrete
+        values in Python control flow)."""
         shards = self._check_even(n, mesh_axes)
-        at, specs = self._sharded_specs(leaves, axes, mesh_axes)
-        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            traced = self._trace(leaves, treedef, axes, n, shards, mesh_axes.names)
-            if traced is None or not traced.stageable:
-                raise _Fallback(traced)
-            local = [
-                jax.ShapeDtypeStruct(replace_at(list(jax.typeof(x).shape), [a], [n // shards]), jax.typeof(x).dtype)
-                for x, a in zip(leaves, axes)
-                if a is not None
-            ]
-            spec = self._plan(traced, axes, n // shards, local, shards)
-        inputs = _sharding._conform([leaves[i] for i in at], specs, mesh_axes)
-        position = {id(leaves[i]): k for k, i in enumerate(at) if axes[i] is None}
-        from_input = tuple(position.get(id(c), -1) for c in traced.consts)
-        mapped_k = tuple(k for k, i in enumerate(at) if axes[i] is not None)
-        return self._run_sharded(traced, spec, mesh_axes, specs, mapped_k, inputs, from_input, "outside")
-
-    def _run_sharded(
-        self,
-        traced: Traced,
-        spec: LoopSpec,
-        mesh_axes: Any,
-        specs: list,
-        mapped_k: tuple,
-        inputs: list,
-        from_input: tuple,
-        traced_where: str,
-    ) -> Any:
-        """Stage 5 of a sharded call: the jitted ``shard_map`` of ``traced``'s loop
-        (:func:`_sharded_program`). The trace's constants are read from the program's inputs
-        where ``from_input`` says so (unmapped arguments), else passed in, replicated. Cached
-        under the trace's by-value key unless a constant is a tracer of an enclosing transform.
-        ``traced_where``: inside the ``shard_map`` body or outside it (part of the key)."""
-        passed = [c for c, k in zip(traced.consts, from_input) if k < 0]
-        consts = passed
-        if isinstance(mesh_axes.mesh, jax.sharding.Mesh):  # (under a trace the mesh is abstract)
-            replicated = jax.sharding.NamedSharding(mesh_axes.mesh, P())
-            consts = [c if isinstance(c, jax.core.Tracer) else jax.device_put(c, replicated) for c in passed]
-        consts = _sharding._conform(consts, [P()] * len(consts), mesh_axes)
-        stripped = traced._replace(consts=[])
-        make = functools.partial(
-            _sharded_program, self.kind, stripped, spec, mesh_axes, tuple(specs), mapped_k, from_input
-        )
-        key = None
-        if not any(isinstance(c, jax.core.Tracer) for c in passed):  # (what the program depends on)
-            key = _loop_key(
-                self.kind,
-                traced.key,
-                spec,
-                "sharded",
-                traced_where,
-                mesh_axes,
-                tuple(specs),
-                mapped_k,
-                from_input,
-                tuple(jax.typeof(x) for x in inputs),
-                tuple(jax.typeof(c) for c in consts),
-                self.axis_name,
-            )
-        program = make() if key is None else cached(key, make)
-        return program(consts, inputs)
+        traced = self._trace(leaves, treedef, axes, n, shards, mesh_axes.names)
+        if traced is None:  # "auto" with a collective over axis_name: as jax.vmap
+            return self._unchunked(args, kwargs)
+        spec = self._plan(traced, axes, n // shards, _local_structs(leaves, axes, n // shards), shards)
+        if not traced.stageable:
+            if self.axis_name is not None:
+                return self._unchunked(args, kwargs)
+            return self._unstaged(leaves, treedef, axes, n, spec.plan.chunk, traced.out_shapes)
+        spmd = None if _sharding._explicit(mesh_axes) else mesh_axes.names
+        make = functools.partial(device_loop, self.kind, traced.jaxpr, traced.out_shapes, spec, shards, spmd)
+        key = _loop_key(self.kind, traced.key, spec, "devices", shards, spmd, mesh_axes)
+        program = make() if key is None else cached(key, lambda: jax.jit(make()))
+        mapped = [leaves[i] for i, a in enumerate(axes) if a is not None]
+        mapped = _sharding._conform(mapped, [_sharding.spec_at(a, mesh_axes.names) for a in spec.axes], mesh_axes)
+        with _sharding.mesh_context(mesh_axes):
+            out = program(traced.consts, mapped)
+        return self._passed_through(out, traced)
 
     # -- without a loop --------------------------------------------------------------------------
     def _unchunked(self, args: tuple, kwargs: dict) -> Any:
@@ -563,77 +409,14 @@ def _run_loop(kind: str, traced: Traced, spec: LoopSpec, consts: list, mapped: l
     return loop(consts, mapped)
 
 
-def _shard_map_call(
-    kind: str, mesh_axes: Any, specs: list, local_result: Callable, plan_only: bool = False
-) -> Callable:
-    """``jax.shard_map`` of ``local_result(*shards) -> (result, flat out_axes)`` over
-    ``mesh_axes``, the inputs split by ``specs``: sums and means are combined over the devices
-    (``psum``/``pmean``), stacked outputs come back along the mapped axis, unmapped ones
-    replicated. With ``plan_only`` the body's result is discarded (it is traced for its plan)."""
-    names = mesh_axes.names
-    found: dict = {}
-
-    def body(*d: Any) -> Any:
-        res = local_result(*d)
-        if plan_only:
-            return ()
-        out, out_axes = res
-        if kind != "stack":
-            combine = jax.lax.psum if kind == "sum" else jax.lax.pmean
-            return jax.tree_util.tree_map(lambda o: combine(o, names), out)
-        outs, found["tree"] = jax.tree_util.tree_flatten(out)
-        found["oaxes"] = out_axes
-        stacked = [jnp.moveaxis(o, a, 0) for o, a in zip(outs, out_axes) if a is not None]
-        return stacked, [o for o, a in zip(outs, out_axes) if a is None]
-
-    if plan_only:
-        out_specs: Any = ()
-    elif kind == "stack":  # (along the mapped axis, moved to the front; unmapped: replicated)
-        out_specs = (_sharding.spec_at(0, names), P())
-    else:
-        out_specs = P()
-    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
-    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
-    mapped_fn = jax.shard_map(
-        body,
-        mesh=mesh_axes.mesh,
-        in_specs=tuple(specs),
-        out_specs=out_specs,
-        axis_names=set(mesh_axes.mesh.axis_names),
-        check_vma=False,
-    )
-
-    def call(*d: Any) -> Any:
-        out = mapped_fn(*d)
-        if plan_only or kind != "stack":
-            return out
-        stacked, unmapped = iter(out[0]), iter(out[1])
-        flat = [next(unmapped) if a is None else jnp.moveaxis(next(stacked), 0, a) for a in found["oaxes"]]
-        return jax.tree_util.tree_unflatten(found["tree"], flat)
-
-    return call
-
-
-def _sharded_program(
-    kind: str, traced: Traced, spec: LoopSpec, mesh_axes: Any, specs: tuple, mapped_k: tuple, from_input: tuple
-) -> Callable[[list, list], Any]:
-    """The jitted ``shard_map`` of an eager sharded call, ``(consts, inputs) -> result``: each
-    device runs the loop of ``traced`` (traced in a ``shard_map`` body over the same mesh and
-    specs) on its shards; the trace's constants are ``consts`` and, where ``from_input[k] >=
-    0``, that input (an unmapped argument). Built from data only (``traced`` without its constants): a cached
-    program keeps no user array alive."""
-
-    def program(consts: list, inputs: list) -> Any:
-        n_consts = len(consts)
-
-        def local_result(*d: Any) -> Any:
-            passed, shards = iter(d[:n_consts]), d[n_consts:]
-            consts = [next(passed) if k < 0 else shards[k] for k in from_input]
-            return _run_loop(kind, traced, spec, consts, [shards[k] for k in mapped_k]), spec.out_axes
-
-        return _shard_map_call(kind, mesh_axes, [P()] * n_consts + list(specs), local_result)(*consts, *inputs)
-
-    return jax.jit(program)
+def _local_structs(leaves: list, axes: list, local: int) -> list:
+    """The mapped leaves' shapes with ``local`` elements along their mapped axis (one device's
+    shard), what the planner compiles its probes on."""
+    return [
+        jax.ShapeDtypeStruct(replace_at(list(jax.typeof(x).shape), [a], [local]), jax.typeof(x).dtype)
+        for x, a in zip(leaves, axes)
+        if a is not None
+    ]
 
 
 def _loop_key(kind: str, traced_key: Hashable | None, spec: LoopSpec, *more: Any) -> Hashable | None:
@@ -649,12 +432,6 @@ def _loop_key(kind: str, traced_key: Hashable | None, spec: LoopSpec, *more: Any
     except (Uncacheable, TypeError):
         return None
     return key
-
-
-class _Fallback(Exception):
-    """Raised while tracing a ``shard_map`` body: the call must run without it (``"auto"`` with a
-    collective over ``axis_name`` runs as ``jax.vmap``; a custom rule closing over a tracer of
-    an enclosing transform runs unrolled). Holds the body's trace (None for the former)."""
 
 
 def _cached_loop(kind: str, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:

@@ -26,7 +26,10 @@ def dtype_of(x: Any) -> np.dtype:
     """The dtype of an array, tracer, ``ShapeDtypeStruct``, aval (or an ``UndefinedPrimal``'s aval)
     or Python/NumPy scalar (its JAX result type)."""
     x = getattr(x, "aval", x) if type(x).__name__ == "UndefinedPrimal" else x
-    return jnp.dtype(x.dtype) if hasattr(x, "dtype") else jnp.result_type(x)
+    if not hasattr(x, "dtype"):
+        return jnp.result_type(x)
+    # (a PRNG key's extended dtype, key<fry>, is its own dtype: NumPy cannot interpret it)
+    return x.dtype if jnp.issubdtype(x.dtype, jax.dtypes.extended) else jnp.dtype(x.dtype)
 
 
 def has_shape(x: Any) -> bool:

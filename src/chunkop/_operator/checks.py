@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .._vmap import vmap as chunked_vmap
+from . import row_sharding
 from .row_operator import AbstractRowOperator, TransposedRowOperator, row_form
 
 __all__ = ["check_linear", "default_rtol"]
@@ -31,8 +32,10 @@ def _row_fn_mv(operator: Any, x: Any) -> Any:
 
     The kernels apply each chunk's linearisation of ``row_fn`` (exact for a linear ``row_fn``,
     but linear whatever ``row_fn`` is), so linearity must be tested on ``row_fn`` directly.
+    Rows sharded over devices are evaluated where the kernels run them (``row_sharding.map_rows``).
     """
-    return chunked_vmap(operator.row_fn, in_axes=(0, None), chunk_size=operator.chunk_size)(operator.rows, x)
+    values = chunked_vmap(operator.row_fn, in_axes=(0, None), chunk_size=operator.chunk_size)
+    return row_sharding.map_rows(values, operator.rows, x)
 
 
 @jax.jit

@@ -15,6 +15,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .._vmap import vmap
+from . import row_sharding
 from .row_operator import AbstractRowOperator, RowOperator, TransposedRowOperator, row_form
 
 __all__: list[str] = []
@@ -85,7 +86,9 @@ def _row_diagonal(operator: AbstractRowOperator) -> jax.Array:
         return jax.vmap(element)(jnp.arange(m), positions)
 
     chunk = max(1, min(operator.chunk_size, 2**22 // max(m * flat_x.size, 1)))
-    blocks = vmap(diag_row, chunk_size=chunk)(operator.rows, jnp.arange(n))  # (n, m)
+    blocks = row_sharding.map_rows(  # (n, m); rows over devices: each device its own rows
+        lambda rows_and_r: vmap(diag_row, chunk_size=chunk)(*rows_and_r), (operator.rows, jnp.arange(n))
+    )
     parts, start = [], 0
     for size in per_row:
         parts.append(blocks[:, start : start + size].reshape(n * size))

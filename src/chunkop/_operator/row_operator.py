@@ -533,8 +533,8 @@ def _dense(base: AbstractRowOperator) -> jax.Array:
         return linear_jacobian(f, at)  # (row_out_size, in_size); exact: f is linear
 
     # `flat_x` an argument, not a closure: with rows sharded over devices the vmap runs in a
-    # shard_map, which takes Explicit-mesh arrays as arguments only
-    blocks = vmap(row_matrix, in_axes=(0, None), chunk_size=base.chunk_size)(base.rows, flat_x)
+    # shard_map (row_sharding.map_rows), which takes Explicit-mesh arrays as arguments only
+    blocks = row_sharding.map_rows(vmap(row_matrix, in_axes=(0, None), chunk_size=base.chunk_size), base.rows, flat_x)
     if jax.tree_util.tree_structure(base.out_structure()).num_leaves != 1:
         # rows' outputs are pytrees: reorder from row-major blocks to ravel_pytree's leaf order
         mats = []

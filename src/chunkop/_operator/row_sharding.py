@@ -36,6 +36,7 @@ __all__ = [
     "spec_context",
     "with_sharding",
     "sharded_apply",
+    "map_rows",
     "replicate",
 ]
 
@@ -216,6 +217,42 @@ def sharded_apply(
     specs = _in_specs(consts, rows, vector, mesh_axes.names, transpose)
     consts, rows, vector = (_conform(t, p, mesh_axes) for t, p in zip((consts, rows, vector), specs))
     return _sharded_program(consts, rows, vector, kernel=kernel, spec=spec, mesh_axes=mesh_axes, transpose=transpose)
+
+
+def map_rows(fn: Callable, rows: Any, *unmapped: Any) -> Any:
+    """``fn(rows, *unmapped)``, a function that maps over the rows (every output has the rows'
+    leading axis), evaluated where the operator's kernels run its rows: with rows sharded over
+    devices, each device on its own rows (one ``jax.shard_map``, ``unmapped`` replicated, the
+    result sharded like the rows, no collective); else directly.
+
+    For the tools that evaluate ``row_fn`` row by row (``check_linear``'s reference matvec,
+    ``as_matrix``, the diagonal): inside the ``shard_map`` a row's ``x[idx]`` reads the
+    replicated ``x`` on its own device, where ``jax.vmap`` along an Explicit mesh axis refuses a
+    gather by sharded indices.
+
+    Args:
+        fn: a function of the rows and ``unmapped``.
+        rows: a row pytree (leading axis: the rows).
+        *unmapped: arrays every device reads whole.
+
+    Returns:
+        ``fn(rows, *unmapped)``.
+    """
+    mesh_axes = None if in_local_body() else row_mesh(rows)
+    if mesh_axes is None or mesh_axes.n_shards == 1:
+        return fn(rows, *unmapped)
+    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
+    names = mesh_axes.names
+    specs = (jax.tree_util.tree_map(lambda _: spec_at(0, names), rows), jax.tree_util.tree_map(lambda _: P(), unmapped))
+    rows, unmapped = (_conform(t, p, mesh_axes) for t, p in zip((rows, unmapped), specs))
+
+    def local(r: Any, u: tuple) -> Any:
+        with _inside_local():
+            return fn(r, *u)
+
+    return jax.shard_map(
+        local, mesh=mesh_axes.mesh, in_specs=specs, out_specs=spec_at(0, names), axis_names=set(names), check_vma=False
+    )(rows, unmapped)
 
 
 def _in_specs(consts: Any, rows: Any, vector: Any, names: tuple, transpose: bool) -> tuple:
