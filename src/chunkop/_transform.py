@@ -219,7 +219,9 @@ class Chunked:
             devices=shards,
         )
         if chunk == "auto":
-            probe = spec._replace(progress=None)
+            # (probes: one device's loop alone, as a single-device program; the index read's reverse
+            # mode under an Explicit mesh context fails JAX's sharding checks outside the devices' vmap)
+            probe = spec._replace(progress=None, devices=1)
             plan = _budget.plan_traced(
                 traced,
                 spec,
