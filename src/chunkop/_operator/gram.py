@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from .._reduce import sum as chunked_sum
+from .._tree import zeros_of
 from .row_operator import AbstractRowOperator, RowOperator, linear_jacobian, row_form
 
 __all__ = ["gram_diagonal"]
@@ -68,7 +69,7 @@ def gram_diagonal(
         squared = RowOperator(squared_row_fn, operator.rows, operator.in_structure(), chunk_size=operator.chunk_size)
         ones = jax.tree_util.tree_map(lambda s: jnp.ones(s.shape, s.dtype), squared.out_structure())
         return squared.T.mv(ones)
-    x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
+    x0 = zeros_of(operator.in_structure())
     flat_x, unravel = ravel_pytree(x0)
     if chunk_size is None:
         chunk_size = max(1, min(operator.chunk_size, 2**22 // max(flat_x.size, 1)))

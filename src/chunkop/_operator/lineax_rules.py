@@ -14,6 +14,7 @@ import lineax as lx
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .._tree import zeros_of
 from .._vmap import vmap
 from . import row_sharding
 from .row_operator import AbstractRowOperator, RowOperator, TransposedRowOperator, row_form
@@ -65,7 +66,7 @@ def _row_diagonal(operator: AbstractRowOperator) -> jax.Array:
     ``m`` basis vectors, a few rows at a time: ``O(n_rows * m * in_size)`` time, and at most
     about ``2**22`` input-sized entries of memory at once (instead of ``out_size * in_size``).
     """
-    x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), operator.in_structure())
+    x0 = zeros_of(operator.in_structure())
     flat_x, unravel = ravel_pytree(x0)
     per_row = [int(np.prod(s.shape[1:])) for s in jax.tree_util.tree_leaves(operator.out_structure())]
     n, m = operator.n_rows, sum(per_row)

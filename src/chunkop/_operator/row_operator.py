@@ -16,6 +16,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import _budget
 from .._progress import Progress, check_progress
+from .._tree import zeros_of
 from .._vmap import vmap
 from . import kernels, row_plan, row_sharding
 
@@ -525,7 +526,7 @@ def linear_jacobian(f: Callable[[jax.Array], jax.Array], flat_x: jax.Array) -> j
 
 def _dense(base: AbstractRowOperator) -> jax.Array:
     """Chunked dense materialisation (used by ``as_matrix``)."""
-    x0 = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), base.in_structure())
+    x0 = zeros_of(base.in_structure())
     flat_x, unravel_x = ravel_pytree(x0)
 
     def row_matrix(row: Any, at: jax.Array) -> jax.Array:
