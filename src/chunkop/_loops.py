@@ -111,24 +111,24 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
 
 def _sum_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callable[[list, list], Any]:
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-    final, _ = sum_dtypes(kind, out_leaves)
-    accumulate = _accumulation(jaxpr, out_shapes, spec, kind)
+    final, acc = sum_dtypes(kind, out_leaves)
+    accumulate = _accumulation(jaxpr, spec, acc)
 
     def loop(consts: list, mapped: list) -> Any:
-        total = accumulate(consts, mapped, _zero_sums(kind, out_leaves))
+        total = accumulate(consts, mapped, _zero_sums(out_leaves, acc))
         return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, spec.plan.size, final))
 
     return loop
 
 
-def _zero_sums(kind: str, out_leaves: list, lead: tuple = ()) -> list:
-    """The running sums' starting values (``lead`` prepended to each shape)."""
-    return [jnp.zeros(lead + tuple(s.shape), d) for s, d in zip(out_leaves, sum_dtypes(kind, out_leaves)[1])]
+def _zero_sums(out_leaves: list, acc: list, lead: tuple = ()) -> list:
+    """The running sums' starting values, in the accumulation dtypes ``acc`` (``lead``
+    prepended to each shape)."""
+    return [jnp.zeros(lead + tuple(s.shape), d) for s, d in zip(out_leaves, acc)]
 
 
-def _accumulation(jaxpr: Any, out_shapes: Any, spec: LoopSpec, kind: str) -> Callable[[list, list, list], list]:
-    """``(consts, mapped, init) -> init + the chunk sums`` (flat, in the accumulation dtypes)."""
-    _, acc = sum_dtypes(kind, jax.tree_util.tree_leaves(out_shapes))
+def _accumulation(jaxpr: Any, spec: LoopSpec, acc: list) -> Callable[[list, list, list], list]:
+    """``(consts, mapped, init) -> init + the chunk sums`` (flat, in the accumulation dtypes ``acc``)."""
 
     def accumulate(consts: list, mapped: list, init: list) -> list:
         wide = widen(consts)
@@ -193,12 +193,12 @@ def device_loop(
 
         return loop
     final, acc = sum_dtypes(kind, out_leaves)
-    accumulate = _accumulation(jaxpr, out_shapes, spec, kind)
+    accumulate = _accumulation(jaxpr, spec, acc)
 
     def loop(consts: list, mapped: list) -> Any:
         # The running sums start batched over the devices (created here, not broadcast by the
         # scan's batching rule inside the loop: jax 0.10 loses the mesh there on Explicit meshes).
-        init = _zero_sums(kind, out_leaves, (shards,))
+        init = _zero_sums(out_leaves, acc, (shards,))
         if spmd_names is None and mapped:
             init = [jax.sharding.reshard(z, _leading_like(mapped[0], spec.axes[0], z.ndim)) for z in init]
         per = vmap(lambda m, i: accumulate(consts, m, i), in_axes=(list(spec.axes), 0))(
@@ -212,8 +212,8 @@ def device_loop(
 
 def _leading_like(x: jax.Array, axis: int, ndim: int) -> Any:
     """The spec sharding a leading axis as ``x`` (its type) shards its ``axis``, for ``ndim`` dims."""
-    entry = tuple(jax.typeof(x).sharding.spec)[axis] if axis < len(jax.typeof(x).sharding.spec) else None
-    return jax.sharding.PartitionSpec(entry, *([None] * (ndim - 1)))
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return jax.sharding.PartitionSpec(spec[axis] if axis < len(spec) else None, *([None] * (ndim - 1)))
 
 
 def make_loop(kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:

@@ -238,29 +238,47 @@ def map_rows(fn: Callable, rows: Any, *unmapped: Any) -> Any:
     Returns:
         ``fn(rows, *unmapped)``.
     """
-    mesh_axes = None if in_local_body() else row_mesh(rows)
+    mesh_axes = row_mesh(rows)  # (None inside a device-local body)
     if mesh_axes is None or mesh_axes.n_shards == 1:
         return fn(rows, *unmapped)
     _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
-    names = mesh_axes.names
-    specs = (jax.tree_util.tree_map(lambda _: spec_at(0, names), rows), jax.tree_util.tree_map(lambda _: P(), unmapped))
+    specs = (_by_rows(rows, mesh_axes.names), _replicated(unmapped))
     rows, unmapped = (_conform(t, p, mesh_axes) for t, p in zip((rows, unmapped), specs))
+    return _shard_rows(lambda r, u: fn(r, *u), (rows, unmapped), specs, spec_at(0, mesh_axes.names), mesh_axes)
 
-    def local(r: Any, u: tuple) -> Any:
+
+def _replicated(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda _: P(), tree)
+
+
+def _by_rows(tree: Any, names: tuple) -> Any:
+    return jax.tree_util.tree_map(lambda _: spec_at(0, names), tree)
+
+
+def _shard_rows(local: Callable, operands: tuple, in_specs: tuple, out_specs: Any, mesh_axes: MeshAxes) -> Any:
+    """``jax.shard_map`` of ``local(*operands)`` over the rows' mesh axes, traced as a
+    device-local body (the transforms it calls chunk that device's rows, no further dispatch)."""
+
+    def body(*ops: Any) -> Any:
         with _inside_local():
-            return fn(r, *u)
+            return local(*ops)
 
+    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
+    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
     return jax.shard_map(
-        local, mesh=mesh_axes.mesh, in_specs=specs, out_specs=spec_at(0, names), axis_names=set(names), check_vma=False
-    )(rows, unmapped)
+        body,
+        mesh=mesh_axes.mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=set(mesh_axes.names),
+        check_vma=False,
+    )(*operands)
 
 
 def _in_specs(consts: Any, rows: Any, vector: Any, names: tuple, transpose: bool) -> tuple:
     """The ``shard_map`` specs of a row-sharded kernel's operands: ``consts`` replicated, ``rows``
     split along the row axis, the vector replicated (``x``) or split like the rows (``y``)."""
-    rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)
-    by_rows = lambda tree: jax.tree_util.tree_map(lambda _: spec_at(0, names), tree)
-    return rep(consts), by_rows(rows), by_rows(vector) if transpose else rep(vector)
+    return _replicated(consts), _by_rows(rows, names), _by_rows(vector, names) if transpose else _replicated(vector)
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "spec", "mesh_axes", "transpose"))
@@ -275,18 +293,11 @@ def _sharded_program(
     names = mesh_axes.names
 
     def local(c: Any, r: Any, v: Any) -> Any:
-        with _inside_local():
-            out = kernel(spec, c, r, v)
+        out = kernel(spec, c, r, v)
         return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), out) if transpose else out
 
-    return jax.shard_map(
-        local,
-        mesh=mesh_axes.mesh,
-        in_specs=_in_specs(consts, rows, vector, names, transpose),
-        out_specs=P() if transpose else spec_at(0, names),
-        axis_names=set(names),
-        check_vma=False,
-    )(consts, rows, vector)
+    specs = _in_specs(consts, rows, vector, names, transpose)
+    return _shard_rows(local, (consts, rows, vector), specs, P() if transpose else spec_at(0, names), mesh_axes)
 
 
 register_cache(_sharded_program.clear_cache)
