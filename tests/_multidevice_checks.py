@@ -164,10 +164,11 @@ def sharded_temp_memory_bounded_by_the_chunk():
     """Each device's compiled temp memory, forward and under grad, is a chunk's, not its shard's
     (the device layout reads each device's chunks by index, on Explicit meshes too; before, a
     dividing chunk on an Explicit mesh scanned a reshape, which under the device axis' vmap is a
-    copy of the shard: 2.1 MiB here). ``jax.vmap`` of the same function: 4.0 MiB under grad."""
+    copy of the shard). ``jax.vmap`` of the same function under grad: 4.2 MiB, more than a shard
+    (a ``cumsum``: jaxlib 0.12 fuses the whole gradient of two ``tanh`` layers into no temp)."""
     n, f = 4 * 8192, 64
     w = jnp.full((f, f), 0.01)
-    fun = lambda r: jnp.sum(jnp.tanh(jnp.tanh(r @ w) @ w) ** 2)
+    fun = lambda r: jnp.sum(jnp.cumsum(jnp.tanh(r @ w) @ w) ** 2)
     temp = lambda g, x: jax.jit(g).lower(x).compile().memory_analysis().temp_size_in_bytes
     shard = n // 4 * f * 4  # bytes of one device's rows
     for kind in ("explicit", "auto"):

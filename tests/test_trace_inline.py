@@ -236,7 +236,9 @@ def _baked(jaxpr) -> int:
     """Closed sub-jaxprs holding constants, at any depth."""
     found = 0
     for eqn in jaxpr.eqns:
-        for value in eqn.params.values():
+        prim = _jaxpr.hi_prim(eqn.params.get("_prim"))  # a custom_jvp under jax_custom_jvp3
+        values = [*eqn.params.values(), *([] if prim is None else [prim.params["traced"].jaxpr])]
+        for value in values:
             for sub in value if isinstance(value, tuple) else (value,):
                 if isinstance(sub, _jaxpr.ClosedJaxpr):
                     found += bool(sub.consts) + _baked(sub.jaxpr)

@@ -82,7 +82,7 @@ _SIMPLE = (str, bytes, int, float, complex, bool, type(None), np.dtype, enum.Enu
 
 
 def _simple_key(value: Any) -> Hashable:
-    """A by-value key for plain data (numbers, strings, dtypes, treedefs, tuples of those).
+    """A by-value key for plain data (numbers, strings, dtypes, treedefs, tuples and sets of those).
 
     Floats are keyed by their bits: ``0.0 == -0.0`` and ``nan != nan`` would otherwise make a
     key match a different value, or never match itself.
@@ -95,8 +95,8 @@ def _simple_key(value: Any) -> Hashable:
         return (type(value).__name__, value)
     if isinstance(value, jax.tree_util.PyTreeDef):
         return ("treedef", value)
-    if isinstance(value, (tuple, list, frozenset)):
-        items = sorted(value, key=repr) if isinstance(value, frozenset) else value
+    if isinstance(value, (tuple, list, frozenset, set)):  # (jax >= 0.11's policies close over a set)
+        items = sorted(value, key=repr) if isinstance(value, (frozenset, set)) else value
         return (type(value).__name__, tuple(_simple_key(v) for v in items))
     raise Uncacheable(type(value).__name__)
 
@@ -332,6 +332,8 @@ def _param_key(value: Any, depth: int, rule_depth: int) -> Hashable:
         return ("closed_jaxpr", jaxpr_key(value.jaxpr, depth + 1, rule_depth), consts)
     if isinstance(value, _jaxpr.Jaxpr):
         return ("jaxpr", jaxpr_key(value, depth + 1, rule_depth))
+    if _jaxpr.hi_prim(value) is not None:
+        return _hi_prim_key(value, depth, rule_depth)
     if isinstance(value, (tuple, list)):
         return (type(value).__name__, tuple(_param_key(v, depth, rule_depth) for v in value))
     if _is_function_like(value):
@@ -343,6 +345,21 @@ def _param_key(value: Any, depth: int, rule_depth: int) -> Hashable:
     except TypeError:
         raise Uncacheable(f"unhashable jaxpr parameter of type {type(value).__name__}") from None
     return ("param", type(value).__name__, value)
+
+
+def _hi_prim_key(prim: Any, depth: int, rule_depth: int) -> Hashable:
+    """A hi primitive (jax >= 0.11: a ``custom_jvp``/``custom_vjp`` under ``jax_custom_jvp3``/
+    ``vjp3``): its type and parameters, the primal's trace by its closed jaxpr (structure, and
+    constants by value), the rules by :func:`callable_key` (what they close over by value)."""
+    parts = []
+    for name, value in sorted(prim.params.items()):
+        jaxpr = getattr(value, "jaxpr", None) if name == "traced" else None
+        parts.append((name, _param_key(value if jaxpr is None else jaxpr, depth + 1, rule_depth)))
+    # the inputs' structure, with nondiff_argnums values as Static leaves: keyed by value
+    is_static = lambda x: type(x).__name__ == "Static"
+    leaves, tree = jax.tree_util.tree_flatten(prim.in_avals, is_leaf=is_static)
+    ins = tuple(("static", value_key(x.val, depth + 1)) if is_static(x) else str(x) for x in leaves)
+    return ("hi_prim", type(prim).__name__, tuple(parts), str(tree), ins)
 
 
 # -- custom rules, keyed by what they trace to --------------------------------------------------

@@ -28,8 +28,13 @@ __all__ = [
     "eqn_context",
     "find_eqn",
     "has_eqn",
+    "hi_prim",
+    "is_custom_rule",
     "is_custom_vjp",
     "jaxprs_in_params",
+    "open_jaxpr",
+    "scan_params_with_consts",
+    "sub_jaxprs",
 ]
 
 ClosedJaxpr = _ext.ClosedJaxpr
@@ -45,6 +50,72 @@ except AttributeError:  # jax < 0.10
     jaxprs_in_params = _core.jaxprs_in_params
 
 
+try:  # jax >= 0.11: the custom rules of jax_custom_jvp3/jax_custom_vjp3 are HiPrim objects
+    from jax._src.hijax import HiPrim as _HiPrim  # no public form
+except ImportError:  # jax 0.10 (whose jax_custom_vjp3 objects are keyed as JAX's own objects)
+    _HiPrim = None
+
+
+def hi_prim(value: Any) -> Any:
+    """``value`` if it is a JAX "hi" primitive object (jax >= 0.11: what a ``call_hi_primitive``
+    equation applies, e.g. a ``jax.custom_jvp`` under ``jax_custom_jvp3``), else None. Its
+    ``params`` hold the primal's trace (``traced``, whose ``.jaxpr`` is closed) and the rules."""
+    return value if _HiPrim is not None and isinstance(value, _HiPrim) else None
+
+
+def sub_jaxprs(eqn: Any) -> list:
+    """The sub-jaxprs of an equation: JAX's ``jaxprs_in_params``, and a hi primitive's primal."""
+    subs = list(jaxprs_in_params(eqn.params))
+    prim = hi_prim(eqn.params.get("_prim"))
+    traced = None if prim is None else prim.params.get("traced")
+    if traced is not None and hasattr(traced, "jaxpr"):
+        subs.append(traced.jaxpr)
+    return subs
+
+
+# jax >= 0.11 merged ``ClosedJaxpr`` into ``Jaxpr``: a jaxpr carries its constants' values, and
+# ``closed.jaxpr`` is ``closed`` itself.
+_MERGED = ClosedJaxpr is Jaxpr
+
+
+def open_jaxpr(closed: Any) -> Any:
+    """``closed``'s jaxpr without its constants' values: ``constvars`` stay the leading inputs,
+    evaluated with the values passed to ``jax.core.eval_jaxpr``, and nothing of them is kept.
+
+    What a compiled loop or an operator's static spec stores: on jax >= 0.11 ``closed.jaxpr`` is
+    ``closed`` itself and would keep every constant alive; there the values are replaced by their
+    abstract values (placeholders that are never evaluated).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> w = jnp.arange(3.0)
+        >>> closed = jax.make_jaxpr(lambda x: x * w)(1.0)
+        >>> jaxpr = open_jaxpr(closed)
+        >>> len(jaxpr.constvars), jax.core.eval_jaxpr(jaxpr, [w], 2.0)[0].tolist()
+        (1, [0.0, 2.0, 4.0])
+    """
+    if _MERGED:
+        return closed.with_consts([v.aval for v in closed.constvars])
+    return closed.jaxpr
+
+
+def scan_params_with_consts(params: dict, body: Any, k: int) -> dict:
+    """A ``scan`` equation's ``params`` for ``body``, which takes ``k`` more constants first.
+
+    jax < 0.11 counts the constants (``num_consts``, with a ``linear`` flag each); jax >= 0.11
+    groups the operands in ``ft_in`` (constants, carry, scanned inputs).
+    """
+    if "num_consts" in params:
+        new = dict(params, jaxpr=body, num_consts=params["num_consts"] + k)
+        if "linear" in params:
+            new["linear"] = (False,) * k + tuple(params["linear"])
+        return new
+    from jax._src import flattree  # the operand groups' type: no public form
+
+    consts, carry, xs = params["ft_in"].unpack()
+    return dict(params, jaxpr=body, ft_in=flattree.pack(((flattree.nones(k), consts), carry, xs)))
+
+
 def find_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> Any:
     """The first equation of ``jaxpr``, at any depth, for which ``test(eqn)`` holds, or ``None``.
 
@@ -58,7 +129,7 @@ def find_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> Any:
         'sin'
     """
     for eqn in jaxpr.eqns:
-        for sub in jaxprs_in_params(eqn.params):
+        for sub in sub_jaxprs(eqn):
             found = find_eqn(sub, test)
             if found is not None:
                 return found
@@ -75,6 +146,17 @@ def has_eqn(jaxpr: Any, test: Callable[[Any], bool]) -> bool:
 def custom_vjp3() -> bool:
     """Whether JAX's ``jax_custom_vjp3`` flag (its next ``custom_vjp`` implementation) is on."""
     return bool(getattr(jax.config, "jax_custom_vjp3", False))
+
+
+_CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vmap_call", "custom_lin")
+
+
+def is_custom_rule(eqn: Any) -> bool:
+    """Whether ``eqn`` calls a custom differentiation or batching rule (``jax.custom_jvp``,
+    ``jax.custom_vjp``, ``custom_vmap``; also as the objects of ``jax_custom_jvp3``/``vjp3``)."""
+    if eqn.primitive.name in _CUSTOM_RULES or is_custom_vjp(eqn):
+        return True
+    return any(type(v).__name__.startswith("CustomJVP") for v in eqn.params.values())
 
 
 def is_custom_vjp(eqn: Any) -> bool:
@@ -105,7 +187,7 @@ def dependent_eqns(jaxpr: Any, inputs: set) -> Iterator[tuple[Any, list[tuple[An
         depends.update(eqn.outvars)
         subs = [
             (sub, {v for v, h in zip(sub.invars, hit) if h} if len(sub.invars) == len(hit) else set(sub.invars))
-            for sub in jaxprs_in_params(eqn.params)
+            for sub in sub_jaxprs(eqn)
         ]
         yield eqn, subs
 

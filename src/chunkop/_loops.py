@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunks, sum_chunks, widen
 from ._progress import Progress
+from ._sharding import per_dim
 from ._trace import eval_traced
 
 __all__ = ["KINDS", "LoopSpec", "device_loop", "finish_sums", "make_loop", "result_dtype", "sum_dtypes"]
@@ -212,8 +213,8 @@ def device_loop(
 
 def _leading_like(x: jax.Array, axis: int, ndim: int) -> Any:
     """The spec sharding a leading axis as ``x`` (its type) shards its ``axis``, for ``ndim`` dims."""
-    spec = tuple(jax.typeof(x).sharding.spec)
-    return jax.sharding.PartitionSpec(spec[axis] if axis < len(spec) else None, *([None] * (ndim - 1)))
+    spec = per_dim(jax.typeof(x).sharding.spec, axis + 1)
+    return jax.sharding.PartitionSpec(spec[axis], *([None] * (ndim - 1)))
 
 
 def make_loop(kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:

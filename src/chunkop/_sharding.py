@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 __all__ = [
     "MeshAxes",
     "mapped_mesh_axes",
+    "per_dim",
     "spec_at",
 ]
 
@@ -167,10 +168,21 @@ def unsplit(leaves: list, axes: list, mesh_axes: MeshAxes) -> list:
         s = _sharding_of(x)
         if axis is None or s is None:
             return x
-        spec = (*tuple(s.spec), *([None] * (x.ndim - len(s.spec))))
+        spec = per_dim(s.spec, x.ndim)
         return jax.sharding.reshard(x, NamedSharding(mesh_axes.mesh, P(*spec[:axis], None, *spec[axis + 1 :])))
 
     return [unsplit_one(x, a) for x, a in zip(leaves, axes)]
+
+
+def per_dim(spec: Any, ndim: int) -> tuple:
+    """A ``PartitionSpec``'s entries, padded with ``None`` to one per dimension of an ``ndim``-D array.
+
+    Example:
+        >>> per_dim(P("d"), 3)
+        ('d', None, None)
+    """
+    spec = tuple(spec)
+    return (*spec, *([None] * (ndim - len(spec))))
 
 
 def spec_at(axis: int, names: tuple) -> P:

@@ -33,11 +33,10 @@ from jax.sharding import PartitionSpec as P
 from . import _jaxpr
 from ._axes import replace_at
 from ._fingerprint import ClosesOverTracer, Uncacheable, jaxpr_key
+from ._sharding import per_dim
 from ._tree import is_float as _is_float
 
 __all__ = ["CollectiveError", "Traced", "trace", "trace_example", "eval_traced"]
-
-_CUSTOM_RULES = ("custom_jvp_call", "custom_vjp_call", "custom_vmap_call", "custom_lin")
 
 
 class Traced(NamedTuple):
@@ -73,7 +72,7 @@ def _example_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
     sharding = getattr(aval, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.empty:
         return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak)
-    spec = (*tuple(sharding.spec), *([None] * (len(aval.shape) - len(sharding.spec))))
+    spec = per_dim(sharding.spec, len(aval.shape))
     example = jax.sharding.NamedSharding(sharding.mesh, P(*(e for k, e in enumerate(spec) if k != axis)))
     return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak, sharding=example)
 
@@ -115,10 +114,6 @@ def _uses_axis(jaxpr: Any, name: Hashable) -> str | None:
     """The first primitive in ``jaxpr`` (recursively) that is a collective over axis ``name``."""
     eqn = _jaxpr.find_eqn(jaxpr, lambda e: _refers_to_axis(e, name))
     return None if eqn is None else eqn.primitive.name
-
-
-def _is_custom_rule(eqn: Any) -> bool:
-    return eqn.primitive.name in _CUSTOM_RULES or _jaxpr.is_custom_vjp(eqn)
 
 
 def _derivative_jaxprs(closed: Any, env: list) -> list:
@@ -175,7 +170,7 @@ class CollectiveError(ValueError):
 
 def _check_collectives(closed: Any, axis_name: Hashable, n: int, chunk_size: int, where: str) -> None:
     jaxprs = [closed.jaxpr]
-    if _jaxpr.has_eqn(closed.jaxpr, _is_custom_rule):
+    if _jaxpr.has_eqn(closed.jaxpr, _jaxpr.is_custom_rule):
         jaxprs += _derivative_jaxprs(closed, [(axis_name, n)])
     for jaxpr in jaxprs:
         prim = _uses_axis(jaxpr, axis_name)
@@ -330,10 +325,7 @@ def _rebind(eqn: Any, invals: list, memo: dict) -> list:
         return eqn.primitive.bind(index, *hoisted, *ops, **dict(p, branches=tuple(branches)))
     if name == "scan":
         (body,), hoisted = _taking_consts([p["jaxpr"]], memo)
-        params = dict(p, jaxpr=body, num_consts=p["num_consts"] + len(hoisted))
-        if "linear" in p:
-            params["linear"] = (False,) * len(hoisted) + tuple(p["linear"])
-        return eqn.primitive.bind(*hoisted, *invals, **params)
+        return eqn.primitive.bind(*hoisted, *invals, **_jaxpr.scan_params_with_consts(p, body, len(hoisted)))
     if name == "while":
         (cond,), cond_hoisted = _taking_consts([p["cond_jaxpr"]], memo)
         (body,), body_hoisted = _taking_consts([p["body_jaxpr"]], memo)
@@ -490,7 +482,7 @@ def trace_example(
         meshes = (tuple(s.sharding for s in structs), jax.sharding.get_abstract_mesh())
         key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes), meshes)
     except ClosesOverTracer:
-        return Traced(closed.jaxpr, list(closed.consts), out_shapes, None, False)
+        return Traced(_jaxpr.open_jaxpr(closed), list(closed.consts), out_shapes, None, False)
     except Uncacheable:
         key = None
-    return Traced(closed.jaxpr, list(closed.consts), out_shapes, key, True)
+    return Traced(_jaxpr.open_jaxpr(closed), list(closed.consts), out_shapes, key, True)

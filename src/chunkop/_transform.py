@@ -35,7 +35,6 @@ from ._axes import (
     flat_in_axes,
     flat_out_axes,
     mapped_size,
-    replace_at,
 )
 from ._cache import cached
 from ._chunking import Remat, make_plan
@@ -43,6 +42,7 @@ from ._fingerprint import Uncacheable, setting_key
 from ._loops import KINDS, LoopSpec, device_loop, finish_sums, make_loop, sum_dtypes
 from ._progress import Progress, check_progress
 from ._trace import CollectiveError, Traced, trace_example
+from ._tree import resized
 
 __all__ = ["BoundChunked", "Chunked"]
 
@@ -414,11 +414,7 @@ def _run_loop(kind: str, traced: Traced, spec: LoopSpec, consts: list, mapped: l
 def _local_structs(leaves: list, axes: list, local: int) -> list:
     """The mapped leaves' shapes with ``local`` elements along their mapped axis (one device's
     shard), what the planner compiles its probes on."""
-    return [
-        jax.ShapeDtypeStruct(replace_at(list(jax.typeof(x).shape), [a], [local]), jax.typeof(x).dtype)
-        for x, a in zip(leaves, axes)
-        if a is not None
-    ]
+    return [resized(x, a, local) for x, a in zip(leaves, axes) if a is not None]
 
 
 def _loop_key(kind: str, traced_key: Hashable | None, spec: LoopSpec, *more: Any) -> Hashable | None:

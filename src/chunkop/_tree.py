@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["dtype_of", "has_shape", "is_float", "struct_of", "zeros_of"]
+__all__ = ["dtype_of", "has_shape", "is_float", "resized", "struct_of", "zeros_of"]
 
 
 def dtype_of(x: Any) -> np.dtype:
@@ -52,6 +52,15 @@ def struct_of(x: Any) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
     x = np.asarray(x) if not hasattr(x, "dtype") else x
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
+
+
+def resized(x: Any, axis: int, size: int) -> jax.ShapeDtypeStruct:
+    """``x``'s :func:`struct_of` with ``size`` elements along ``axis`` (one device's shard of a
+    sharded axis, say): the plain shapes a planner compiles its probes on."""
+    s = struct_of(x)
+    shape = list(s.shape)
+    shape[axis] = size
+    return jax.ShapeDtypeStruct(tuple(shape), s.dtype)
 
 
 def zeros_of(structure: Any) -> Any:

@@ -160,7 +160,7 @@ def make_spec(
     in_leaves, in_tree = _tu.tree_flatten(in_structure)
     # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well
     closed, out_shape = trace(row_fn, row0, in_structure)
-    jaxpr = closed.jaxpr
+    jaxpr = _jaxpr.open_jaxpr(closed)
     row_tree = _tu.tree_structure(row0)
     if _stops_gradient_of_x(jaxpr, set(jaxpr.invars[len(_tu.tree_leaves(row0)) :])):
         raise ValueError(

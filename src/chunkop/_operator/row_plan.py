@@ -20,6 +20,7 @@ from .. import _estimate
 from .._budget import check_memory_budget, plan_program
 from .._memory import program_temp_bytes
 from .._search import BudgetPlan
+from .._tree import resized
 from . import kernels
 from .row_sharding import row_mesh
 
@@ -110,9 +111,7 @@ def plan_rows(spec: kernels.Spec, consts: tuple, rows: Any, memory_budget: int |
         shards = mesh_axes.n_shards
         n //= shards
     if shards > 1:  # one device's shard: plain shapes (sharded rows are not traced under a vmap here)
-        rows = jax.tree_util.tree_unflatten(
-            row_tree, [jax.ShapeDtypeStruct((n,) + tuple(x.shape[1:]), x.dtype) for x in row_leaves]
-        )
+        rows = jax.tree_util.tree_unflatten(row_tree, [resized(x, 0, n) for x in row_leaves])
     leaves = _row_leaves(spec, consts, rows)
     k, r = len(consts), len(row_leaves)
     jaxpr = spec.jaxpr
