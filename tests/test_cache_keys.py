@@ -111,6 +111,17 @@ def test_closure_cell_rebound_to_negative_zero():
         np.testing.assert_array_equal(ours, jnp.full_like(X, np.copysign(np.inf, value)))
 
 
+# jax_custom_jvp3 (jax >= 0.11): a custom_jvp's rule is keyed by callable_key, so a rule defined
+# inside a function runs uncached (correct values, a compile per call); chunkop does not yet trace
+# a hi primitive's rule for its key as it traces custom_jvp_call's
+_JVP3_UNCACHED = pytest.mark.xfail(
+    bool(getattr(jax.config, "jax_custom_jvp3", False)),
+    reason="under jax_custom_jvp3 a rule defined afresh per call is keyed by identity",
+    strict=True,
+)
+
+
+@_JVP3_UNCACHED
 def test_nan_in_a_closure_matches_itself():
     def make():
         c = 0.0
@@ -135,6 +146,7 @@ def test_nan_in_a_closure_matches_itself():
     assert len(_cache._LOOPS) == 1
 
 
+@_JVP3_UNCACHED
 def test_rule_defined_afresh_per_call_is_reused():
     def per_call(x):
         @jax.custom_jvp

@@ -329,3 +329,21 @@ def test_memory_bounded_by_the_chunk(custom_vjp3):
     small, large = _temp_bytes(32, True), _temp_bytes(512, True)
     assert small < 2 << 20 < large  # (measured: 0.51 MiB at 32, 4.38 MiB at 512; jax.vmap 16.4 MiB)
     assert small == _temp_bytes(32, False)  # the same as jax.checkpoint's with the flag off
+
+
+def test_collective_inside_a_custom_vjp_is_seen(custom_vjp3):
+    """The flag's ``custom_vjp`` is a "hi" primitive whose primal sits in its parameters, not in a
+    sub-jaxpr JAX lists: the collectives check walks into it (JAX's ``CustomVJP3Test``'s
+    ``test_initial_style_vmap_with_collective`` got JAX's unbound-axis ``NameError`` before)."""
+
+    @jax.custom_vjp
+    def total(x):
+        return jax.lax.psum(x, "i")
+
+    total.defvjp(lambda x: (total(x), None), lambda _, g: (g,))
+    xs = jnp.arange(4.0)
+    with pytest.raises(ValueError, match=r"collective `psum` over axis_name='i'.*chunk_size=2 < axis size 4"):
+        chunkop.vmap(total, axis_name="i", chunk_size=2)(xs)
+    np.testing.assert_array_equal(
+        chunkop.vmap(total, axis_name="i", chunk_size=4)(xs), jax.vmap(total, axis_name="i")(xs)
+    )

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from jax._src import hijax as _hijax  # the custom rules' primitive classes: no public form
 from jax._src import source_info_util as _source_info  # no public form of eval_jaxpr's per-equation context
 from jax.extend import core as _ext
 
@@ -50,15 +51,15 @@ except AttributeError:  # jax < 0.10
     jaxprs_in_params = _core.jaxprs_in_params
 
 
-try:  # jax >= 0.11: the custom rules of jax_custom_jvp3/jax_custom_vjp3 are HiPrim objects
-    from jax._src.hijax import HiPrim as _HiPrim  # no public form
-except ImportError:  # jax 0.10 (whose jax_custom_vjp3 objects are keyed as JAX's own objects)
-    _HiPrim = None
+# The custom rules of jax_custom_vjp3 (and, jax >= 0.11, jax_custom_jvp3) are "hi" primitive
+# objects: jax 0.10's VJPHiPrimitive, jax >= 0.11's HiPrim.
+_HiPrim = tuple(getattr(_hijax, name) for name in ("HiPrim", "VJPHiPrimitive") if hasattr(_hijax, name)) or None
 
 
 def hi_prim(value: Any) -> Any:
-    """``value`` if it is a JAX "hi" primitive object (jax >= 0.11: what a ``call_hi_primitive``
-    equation applies, e.g. a ``jax.custom_jvp`` under ``jax_custom_jvp3``), else None. Its
+    """``value`` if it is a JAX "hi" primitive object (what a ``call_hi_primitive`` equation
+    applies: a ``jax.custom_vjp`` under ``jax_custom_vjp3``, a ``jax.custom_jvp`` under
+    ``jax_custom_jvp3``), else None. Its
     ``params`` hold the primal's trace (``traced``, whose ``.jaxpr`` is closed) and the rules."""
     return value if _HiPrim is not None and isinstance(value, _HiPrim) else None
 
