@@ -454,3 +454,39 @@ def test_map_matches_lax_map(chunk_size):
     assert_tree_allclose(
         chunkop.map(f, xs, chunk_size=chunk_size), jax.lax.map(f, xs, batch_size=chunk_size), n_terms=INNER
     )
+
+
+def test_registered_vmappable_types_run_as_jax_vmap():
+    """A type registered with JAX's experimental ``batching.register_vmappable`` (mapped by its own
+    ``to_elt``/``from_elt``), or its spec type in ``in_axes``/``out_axes``: chunkop.vmap runs the
+    call as ``jax.vmap`` (unchunked: the type's rules define how a chunk of it would look)."""
+    from jax._src.interpreters import batching
+
+    class Scaled:  # data with a scale applied when an element is taken out
+        def __init__(self, data, scale):
+            self.data, self.scale = data, scale
+
+    class Along:  # the spec type: map along this axis of the data
+        def __init__(self, axis):
+            self.axis = axis
+
+    def to_elt(cont, _, val, spec):
+        return cont(val.data * val.scale, spec.axis if isinstance(spec, Along) else spec)
+
+    def from_elt(cont, size, elt, spec):  # (outputs here are arrays: never called)
+        raise AssertionError("from_elt")
+
+    batching.register_vmappable(Scaled, Along, int, to_elt, from_elt, None)
+    try:
+        x = Scaled(jnp.arange(12.0).reshape(3, 4), 2.0)
+        f = lambda e: jnp.sin(e) * e.sum()
+        for kw in ({"in_axes": Along(1), "axis_size": 4}, {"in_axes": 0, "axis_size": 3}):
+            expected = jax.vmap(f, **kw)(x)
+            assert expected.shape == (kw["axis_size"], 7 - kw["axis_size"])
+            g = chunkop.vmap(f, chunk_size=2, **kw)
+            np.testing.assert_array_equal(g(x), expected)
+            in_jit = jax.jit(lambda d, g=g: g(Scaled(d, 2.0)))  # (a Scaled is not a jit argument)
+            np.testing.assert_array_equal(in_jit(x.data), expected)
+            np.testing.assert_array_equal(chunkop.sum(f, chunk_size=2, **kw)(x), expected.sum(0))
+    finally:
+        batching.unregister_vmappable(Scaled)

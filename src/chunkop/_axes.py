@@ -13,6 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _jaxpr
+
 __all__ = [
     "check_chunk_size",
     "check_axis_size",
@@ -24,6 +26,7 @@ __all__ = [
     "is_array_leaf",
     "check_remat",
     "replace_at",
+    "uses_vmappables",
 ]
 
 
@@ -124,10 +127,20 @@ def _check_axis_leaves(spec: Any, name: str, where: str) -> None:
             )
 
 
+def uses_vmappables(*trees: Any) -> bool:
+    """Whether a leaf of ``trees`` (axes specs, arguments) is a registered vmappable value or spec
+    (:func:`chunkop._jaxpr.is_vmappable`): such calls run as ``jax.vmap``, unchunked."""
+    if not _jaxpr.vmappables_registered():
+        return False
+    return any(_jaxpr.is_vmappable(x) for t in trees for x in jax.tree_util.tree_leaves(t, is_leaf=_jaxpr.is_vmappable))
+
+
 def check_in_axes_spec(in_axes: Any, where: str = "chunkop.vmap") -> Any:
     """Check the type of ``in_axes`` at wrap time; lists become tuples (as in ``jax.vmap``)."""
     if isinstance(in_axes, list):
         in_axes = tuple(in_axes)
+    if uses_vmappables(in_axes):  # a registered spec type: jax.vmap checks it
+        return in_axes
     if not (in_axes is None or isinstance(in_axes, (int, np.integer, tuple))) or isinstance(in_axes, bool):
         raise TypeError(
             f"{where}: `in_axes` must be an int, None, or a tuple/list with one entry per positional "
@@ -139,6 +152,8 @@ def check_in_axes_spec(in_axes: Any, where: str = "chunkop.vmap") -> Any:
 
 def check_out_axes_spec(out_axes: Any, where: str = "chunkop.vmap") -> Any:
     """Check that every leaf of ``out_axes`` is an int or None."""
+    if uses_vmappables(out_axes):  # a registered spec type: jax.vmap checks it
+        return out_axes
     _check_axis_leaves(out_axes, "out_axes", where)
     return _as_int_axes(out_axes)
 

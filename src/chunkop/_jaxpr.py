@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 from jax._src import hijax as _hijax  # the custom rules' primitive classes: no public form
 from jax._src import source_info_util as _source_info  # no public form of eval_jaxpr's per-equation context
+from jax._src.interpreters import batching as _batching  # vmappable types: no public registry
 from jax.extend import core as _ext
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "hi_prim",
     "is_custom_rule",
     "is_custom_vjp",
+    "is_vmappable",
+    "vmappables_registered",
     "jaxprs_in_params",
     "open_jaxpr",
     "scan_params_with_consts",
@@ -54,6 +58,23 @@ except AttributeError:  # jax < 0.10
 # The custom rules of jax_custom_vjp3 (and, jax >= 0.11, jax_custom_jvp3) are "hi" primitive
 # objects: jax 0.10's VJPHiPrimitive, jax >= 0.11's HiPrim.
 _HiPrim = tuple(getattr(_hijax, name) for name in ("HiPrim", "VJPHiPrimitive") if hasattr(_hijax, name)) or None
+
+
+_BUILTIN_SPECS = frozenset(_batching.spec_types)  # JAX's own (Sum, Infer): never in a user's in_axes
+
+
+def vmappables_registered() -> bool:
+    """Whether any vmappable type (or spec type beyond JAX's own) is registered: the fast path."""
+    return bool(_batching.vmappables) or not _batching.spec_types <= _BUILTIN_SPECS
+
+
+def is_vmappable(value: Any) -> bool:
+    """Whether ``value`` is an instance of a type registered with JAX's (experimental)
+    ``batching.register_vmappable``, or of a registered ``in_axes``/``out_axes`` spec type:
+    ``jax.vmap`` maps such values with the type's own ``to_elt``/``from_elt`` rules."""
+    if isinstance(value, (bool, int, np.integer)) or value is None:
+        return False
+    return type(value) in _batching.vmappables or type(value) in _batching.spec_types
 
 
 def hi_prim(value: Any) -> Any:

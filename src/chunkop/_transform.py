@@ -35,6 +35,7 @@ from ._axes import (
     flat_in_axes,
     flat_out_axes,
     mapped_size,
+    uses_vmappables,
 )
 from ._cache import cached
 from ._chunking import Remat, make_plan
@@ -141,6 +142,8 @@ class Chunked:
         return flat_in_axes(self.in_axes, args, kwargs, self.where, arg_names=self.arg_names)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if uses_vmappables(self.in_axes, args, kwargs):  # JAX's vmappable types: as jax.vmap
+            return self._unchunked(args, kwargs)
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where, chunked=self.chunk_size is not None)
         chunk = self.chunk_size
