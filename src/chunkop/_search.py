@@ -78,17 +78,18 @@ class BudgetPlan(NamedTuple):
             model was needed, i.e. the unchunked program fits).
         compiled_bytes: the temp memory XLA reports for the program compiled at ``chunk``;
             None when the plan was made without compiling (on CPU under the throughput cap,
-            far below the budget: see :mod:`chunkop._estimate`; ``predicted_bytes`` is then the
+            far below the budget: the chunk then comes from a compile-free estimate of one
+            element's bytes, read from the traced program; ``predicted_bytes`` is then the
             estimate).
         probes: every ``(chunk, temp_bytes)`` compiled while planning, in order.
         cap: the throughput cap the search aimed at, if any (``chunkop.settings().cpu_temp_cap`` on CPU).
         shards: the number of devices the axis is sharded over (1: not sharded); each device
             chunks its own ``size`` elements. ``global_size`` is the whole axis,
             ``size * shards``.
-        floor: the per-chunk overhead floor (:func:`overhead_floor`) the search took into
-            account, or None where it had no estimate of an element's bytes. Where the cap
-            binds, the chunk is at least this (up to ``OVER_CAP`` times the cap, within the
-            budget), even when that exceeds the cap.
+        floor: the per-chunk overhead floor the search took into account (the smallest chunk
+            whose estimated work is large against the fixed cost of a loop step), or None where
+            it had no estimate of an element's bytes. Where the cap binds, the chunk is at least
+            this (up to 16 times the cap, within the budget), even when that exceeds the cap.
 
     Example:
         >>> import jax.numpy as jnp, chunkop
