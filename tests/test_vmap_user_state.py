@@ -446,6 +446,75 @@ def test_custom_vmap_rule_closing_over_a_value():
         assert_tree_allclose(chunkop.vmap(make(c), chunk_size=3)(xs), jax.vmap(make(c))(xs))
 
 
+def _recording_custom_vmap(seen):
+    """``sin(x) * w`` as a ``custom_vmap`` whose rule records what it is called with."""
+
+    @jax.custom_batching.custom_vmap
+    def g(x, w):
+        return jnp.sin(x) * w
+
+    @g.def_vmap
+    def rule(axis_size, in_batched, x, w):
+        seen.append((axis_size, tuple(in_batched), x.shape, jnp.shape(w)))
+        return jnp.sin(x) * w, any(in_batched)
+
+    return g
+
+
+@pytest.mark.parametrize("w_axis", [None, 0])
+def test_custom_vmap_rule_sees_one_chunk(w_axis):
+    """The documented contract (docs/design.md, "custom_vmap rules see one chunk"): the rule's
+    ``axis_size`` is the chunk's size, its arguments one chunk and its ``in_batched`` flags
+    those of ``jax.vmap``. It is traced once per distinct chunk size: once for the full chunks
+    (the loop body, however many chunks there are) and once for the remainder; the values are
+    ``jax.vmap``'s, also under ``jax.grad`` and ``jax.jvp`` (which batch the same rule)."""
+    xs = jnp.arange(float(N))
+    w = xs + 1.0 if w_axis == 0 else jnp.float32(1.5)
+    w_shape = lambda n: (n,) if w_axis == 0 else ()
+    reference_seen = []
+    expected = jax.vmap(_recording_custom_vmap(reference_seen), in_axes=(0, w_axis))(xs, w)
+    assert reference_seen == [(N, (True, w_axis == 0), (N,), w_shape(N))]  # jax.vmap: the whole axis
+
+    def chunked(seen):
+        return chunkop.vmap(_recording_custom_vmap(seen), in_axes=(0, w_axis), chunk_size=CHUNK)
+
+    seen = []
+    assert_tree_allclose(chunked(seen)(xs, w), expected)
+    # N=10 in chunks of 4: the two full chunks share one trace (axis_size 4), the remainder 2
+    assert seen == [(size, (True, w_axis == 0), (size,), w_shape(size)) for size in (CHUNK, N % CHUNK)]
+
+    seen = []
+    assert_tree_allclose(jax.jit(chunked(seen))(xs, w), expected)
+    assert [s[0] for s in seen] == [CHUNK, N % CHUNK]
+
+    seen = []
+    loss = lambda V: lambda x, w: jnp.sum(V(x, w) ** 2)
+    got = jax.grad(loss(chunked(seen)), argnums=(0, 1))(xs, w)
+    reference = jax.grad(loss(jax.vmap(_recording_custom_vmap([]), in_axes=(0, w_axis))), argnums=(0, 1))(xs, w)
+    assert_tree_allclose(got, reference)
+    assert sorted({s[0] for s in seen}) == [N % CHUNK, CHUNK]
+
+    seen = []
+    tangents = (jnp.ones(N), jnp.ones_like(w))
+    got = jax.jvp(chunked(seen), (xs, w), tangents)
+    assert_tree_allclose(got, jax.jvp(jax.vmap(_recording_custom_vmap([]), in_axes=(0, w_axis)), (xs, w), tangents))
+    assert sorted({s[0] for s in seen}) == [N % CHUNK, CHUNK]
+
+
+def test_custom_vmap_rule_sees_the_planned_chunk():
+    """The chunk is the planned one (:func:`chunkop._chunking.make_plan`), which can be smaller
+    than ``chunk_size``: 9 rows with ``chunk_size=4`` run as 3 chunks of 3 (no remainder), so
+    the rule sees ``axis_size`` 3 only; ``chunk_size=None`` is ``jax.vmap`` (the whole axis)."""
+    xs = jnp.arange(9.0)
+    seen = []
+    got = chunkop.vmap(_recording_custom_vmap(seen), in_axes=(0, None), chunk_size=4)(xs, 2.0)
+    assert_tree_allclose(got, jnp.sin(xs) * 2.0)
+    assert [s[0] for s in seen] == [3]
+    seen = []
+    chunkop.vmap(_recording_custom_vmap(seen), in_axes=(0, None), chunk_size=None)(xs, 2.0)
+    assert [s[0] for s in seen] == [9]
+
+
 def test_custom_vjp3_flag_runs_forward_and_derivatives_with_and_without_remat():
     xs = jnp.arange(float(N))
     old = jax.config.jax_custom_vjp3
