@@ -305,8 +305,20 @@ def _symbolic_message(where: str, path: str, axis: int, size: Any, chunked: bool
         if chunked
         else "or call the unchunked JAX transform (jax.vmap, jax.lax.map), which takes a symbolic size"
     )
+    return symbolic_size_message(where, f"argument {path} is mapped along axis {axis}", size, fix)
+
+
+def symbolic_size_message(where: str, what: str, size: Any, fix: str) -> str:
+    """The error for a chunked axis of symbolic size (``jax.export`` shape polymorphism).
+
+    Args:
+        where: the caller (``chunkop.vmap``, ``RowOperator``).
+        what: the axis, named for the user (``argument args[0] is mapped along axis 0``).
+        size: its symbolic size.
+        fix: what works instead, after "Export with a concrete size for this axis, ".
+    """
     return (
-        f"{where}: argument {path} is mapped along axis {axis}, which has the symbolic size "
+        f"{where}: {what}, which has the symbolic size "
         f"{size} (jax.export shape polymorphism); chunking needs a concrete size to split the axis "
         f"into chunks (the number of chunks is a static loop length). Export with a concrete size "
         f"for this axis (symbolic sizes elsewhere are fine), {fix}."

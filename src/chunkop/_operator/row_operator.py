@@ -15,6 +15,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .. import _budget
+from .._axes import _is_symbolic, symbolic_size_message
 from .._progress import Progress, check_progress
 from .._tree import zeros_of
 from .._vmap import vmap
@@ -53,12 +54,28 @@ def _check_rows(rows: Any) -> int:
             )
         if first is None:
             first = (name, leaf.shape[0])
+            _check_concrete_rows(name, first[1])
         elif leaf.shape[0] != first[1]:
             raise ValueError(
                 f"RowOperator: all leaves of `rows` must share the leading (row) axis size: "
                 f"{first[0]} has {first[1]} rows but {name} has {leaf.shape[0]}."
             )
     return first[1]
+
+
+def _check_concrete_rows(name: str, n_rows: Any) -> None:
+    """Refuse rows of symbolic length (``jax.export`` shape polymorphism): they cannot be chunked."""
+    if _is_symbolic(n_rows):
+        raise ValueError(
+            symbolic_size_message(
+                "RowOperator",
+                f"the rows are the leading axis of `rows` (its leaf {name})",
+                n_rows,
+                "or apply row_fn unchunked, as jax.vmap(row_fn, in_axes=(0, None))(rows, x) (and "
+                "jax.linear_transpose of that for A^T y), which takes a symbolic size (RowOperator "
+                "always chunks: it has no chunk_size=None)",
+            )
+        )
 
 
 def _check_segment_key(segment_key: Any, rows: Any, n_rows: int, in_leaves: tuple) -> None:
@@ -394,6 +411,8 @@ class RowOperator(AbstractRowOperator):
 
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
+        if _is_symbolic(self.n_rows):  # rows given as an exported function's argument
+            _check_rows(self.rows)
         if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # rows sharded over devices
             out = row_sharding.sharded_apply(kernels.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
             return row_sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
@@ -401,6 +420,8 @@ class RowOperator(AbstractRowOperator):
 
     def apply_transpose(self, vector: Any) -> Any:
         """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
+        if _is_symbolic(self.n_rows):
+            _check_rows(self.rows)
         if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
             return row_sharding.sharded_apply(
                 kernels.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes, transpose=True
