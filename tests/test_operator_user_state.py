@@ -153,7 +153,11 @@ def test_replaced_closed_over_array():
 def test_numpy_closure_is_a_leaf_not_static():
     w = np.linspace(0.5, 1.5, K).astype(np.float32)
     A = chunkop.RowOperator(lambda r, x: jnp.dot(w, x[r["idx"]]) * r["s"], ROWS, STRUCT, chunk_size=3)
-    assert len(A.consts) == 1 and np.array_equal(np.asarray(A.consts[0]), w)
+    # w is the one array const; the others are 0-d integers row_fn's indexing computed from
+    # concrete values while it was traced (index bounds), folded as under jax.vmap
+    (weights,) = [c for c in A.consts if np.ndim(c)]
+    assert np.array_equal(np.asarray(weights), w)
+    assert all(np.ndim(c) == 0 and jnp.issubdtype(jnp.result_type(c), jnp.integer) for c in A.consts if np.ndim(c) == 0)
     # the static part holds no arrays
     static = jax.tree_util.tree_structure(A)
     assert "ndarray" not in repr(static) and "Array(" not in repr(static)
@@ -431,3 +435,24 @@ def test_diagonal_memory_does_not_grow_with_n_squared():
         A = make_square(n, 1024).op()
         temps.append(jax.jit(lx.diagonal).lower(A).compile().memory_analysis().temp_size_in_bytes)
     assert temps[0] < 20 * 2**20 and temps[1] < 20 * 2**20, temps
+
+
+# -- concrete values while row_fn is traced -------------------------------------------------------
+
+
+def test_concrete_closed_over_values_in_python_control_flow_and_shapes():
+    """``row_fn`` may use a closed-over concrete array in Python control flow (``float(...)``)
+    and a NumPy table in a shape, as under ``jax.vmap``: the operator folds operations on
+    concrete values when it traces ``row_fn``, as the transforms do for ``fun``."""
+    gain = jnp.linspace(0.5, 1.5, NPIX, dtype=jnp.float32)
+    table = np.array([K, 2])
+
+    def row_fn(r, x):
+        scale = 2.0 if float(gain.sum()) > 0 else -1.0  # concrete: gain is not traced
+        pad = jnp.zeros(int(table[1]), x.dtype)
+        return scale * gain[r["idx"]] * los_row(r, x) + pad.sum()
+
+    reference = jax.vmap(row_fn, (0, None))(ROWS, X)  # jax.vmap accepts it
+    A = chunkop.RowOperator(row_fn, ROWS, STRUCT, chunk_size=3)
+    assert_tree_allclose(A.mv(X), reference, n_terms=K)
+    check_against_dense(A, row_fn)

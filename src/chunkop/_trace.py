@@ -426,12 +426,14 @@ def trace(
     try:
         with _fold_concrete(fold):
             closed, out_shapes = jax.make_jaxpr(traced, axis_env=env, return_shape=True)(*args)
-    except jax.errors.UnexpectedTracerError:
+    except (jax.errors.UnexpectedTracerError, NotImplementedError):
         if not fold:
             raise
-        # Folding ran a custom_vjp/custom_jvp on concrete arguments eagerly while it closes over
-        # a value of this trace (jax.vmap never stages it, so it works there): trace again,
-        # without folding (fun's trace-time side effects then run twice, in this case only).
+        # What folding computed eagerly, jax.vmap stages (so it works there): a custom_vjp or
+        # custom_jvp run on concrete arguments while it closes over a value of this trace
+        # (UnexpectedTracerError), or the value of a symbolic dimension under jax.export (no
+        # eager rule: NotImplementedError). Trace again without folding (fun's trace-time side
+        # effects then run twice, in these cases only).
         closed, out_shapes = jax.make_jaxpr(traced, axis_env=env, return_shape=True)(*args)
     return _hoist_inner_consts(closed, env), out_shapes
 

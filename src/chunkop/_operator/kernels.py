@@ -151,15 +151,19 @@ def make_spec(
 ) -> tuple[Spec, tuple]:
     """Trace ``row_fn`` on one row and ``x``: its :class:`Spec`, and the arrays it closes over.
 
-    Every array constant of the trace (a closed-over ``jax.Array``, NumPy array or tracer, or
-    one an inner ``jax.jit`` closes over, at any depth: :func:`chunkop._trace.trace`) is
-    returned in ``consts``, to be stored as a leaf of the operator: never in the static spec, so
-    kernels compiled for one operator serve every operator whose ``row_fn`` traces alike.
+    Operations on concrete closed-over values only are computed while tracing, as under
+    ``jax.vmap`` (so ``row_fn`` may use them in Python control flow and shapes). Every array
+    constant of the trace (a closed-over ``jax.Array``, NumPy array or tracer, one such a
+    folded operation computed, or one an inner ``jax.jit`` closes over, at any depth:
+    :func:`chunkop._trace.trace`) is returned in ``consts``, to be stored as a leaf of the
+    operator: never in the static spec, so kernels compiled for one operator serve every
+    operator whose ``row_fn`` traces alike.
     """
     row0 = _tu.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], jnp.result_type(a)), rows)
     in_leaves, in_tree = _tu.tree_flatten(in_structure)
-    # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well
-    closed, out_shape = trace(row_fn, row0, in_structure)
+    # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well;
+    # operations on concrete closed-over values computed then, as under jax.vmap
+    closed, out_shape = trace(row_fn, row0, in_structure, fold=True)
     jaxpr = _jaxpr.open_jaxpr(closed)
     row_tree = _tu.tree_structure(row0)
     if _stops_gradient_of_x(jaxpr, set(jaxpr.invars[len(_tu.tree_leaves(row0)) :])):
