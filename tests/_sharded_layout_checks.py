@@ -182,12 +182,22 @@ def jacobians_on_explicit_mesh():
         mesh, spec = mesh_and_spec(kind)
         with jax.set_mesh(mesh):
             x = jax.device_put(v, NamedSharding(mesh, spec))
-            # (chunk_size="auto" fails in the planner: it compiles the loop on the constants'
-            # shapes without their sharding types, and jacfwd's constants are typed on the mesh)
             for chunk in (3, 2):
                 close(chunkop.jacrev(f, chunk_size=chunk)(x), jax.jacrev(f)(v))
                 close(chunkop.jacfwd(f, chunk_size=chunk)(x), jax.jacfwd(f)(v))
                 close(jax.jit(chunkop.jacrev(f, chunk_size=chunk))(x), jax.jacrev(f)(v))
+    # chunk_size="auto" with a budget that makes it chunk: the planner compiles its probes on
+    # the constants' mesh types (before: "Expected cotangent type float32[64] but got
+    # float32[64@d]" for jacrev, an aval mismatch for jacfwd)
+    v = jnp.linspace(0.1, 1.0, 64)
+    g = lambda v: jnp.tanh(3.0 * v) * jnp.sum(v**2)
+    mesh, spec = mesh_and_spec("explicit")
+    with jax.set_mesh(mesh):
+        x = jax.device_put(v, NamedSharding(mesh, spec))
+        for name in ("jacrev", "jacfwd"):
+            jac = getattr(chunkop, name)(g, chunk_size="auto", memory_budget=2**11)
+            close(jac(x), getattr(jax, name)(g)(v))
+            assert jac.last_plan.chunk is not None and jac.last_plan.chunk < 64, jac.last_plan
 
 
 if __name__ == "__main__":

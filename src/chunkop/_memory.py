@@ -112,7 +112,7 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
         True
     """
     check_mode(mode)
-    structs = [_struct(x) for x in leaves]
+    structs = [_struct(x, typed=True) for x in leaves]
     worst = _compiled_temp(fn, *structs)
     if mode == "forward" or not any(_is_float(s) for s in structs):
         return worst
@@ -157,7 +157,9 @@ def _derivative_temps(fn: Callable, structs: list, out: Any, mode: str) -> Itera
         return pullback(cts)
 
     if all(_is_float(o) for o in jax.tree_util.tree_leaves(out)):
-        cts = jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype), out)
+        # typed as the outputs are (on an Explicit mesh an output may be sharded, by a value
+        # the program closes over, though the probe's arguments are plain)
+        cts = jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding), out)
         yield _compiled_temp(vjp_program, dstructs, rest, cts)
     else:
         yield _compiled_temp(lambda d, r: jax.grad(loss)(d, r), dstructs, rest)

@@ -43,13 +43,19 @@ def is_float(x: Any) -> bool:
     return bool(jnp.issubdtype(dtype_of(x), jnp.inexact))
 
 
-def struct_of(x: Any) -> jax.ShapeDtypeStruct:
-    """``x``'s shape and (canonical) dtype as a ``jax.ShapeDtypeStruct`` (no sharding, no weak type)."""
+def struct_of(x: Any, *, typed: bool = False) -> jax.ShapeDtypeStruct:
+    """``x``'s shape and (canonical) dtype as a ``jax.ShapeDtypeStruct`` (no weak type).
+
+    No sharding, unless ``typed``: then an array typed on a mesh with Explicit axes keeps that
+    type (a program traced on it computes with mesh-typed values, and is compiled on them).
+    """
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     if isinstance(x, jax.Array):
         aval = jax.typeof(x)
-        return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+        sharding = getattr(aval, "sharding", None) if typed else None
+        explicit = sharding is not None and jax.sharding.AxisType.Explicit in (sharding.mesh.axis_types or ())
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding if explicit else None)
     x = np.asarray(x) if not hasattr(x, "dtype") else x
     return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(x.dtype))
 
