@@ -23,7 +23,6 @@ The planner imports nothing above it: a transform passes the loop to plan (``loo
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -53,6 +52,7 @@ __all__ = [
     "plan_program",
     "plan_traced",
     "plan",
+    "not_planned",
 ]
 
 
@@ -464,17 +464,21 @@ def plan(f: Any, *args: Any, **kwargs: Any) -> BudgetPlan:
         >>> chunkop.plan(f, jnp.zeros(1000)).chunk is None  # the whole axis fits: no chunking
         True
     """
-    target = getattr(f, "operator", f)
-    if hasattr(target, "budget_plan") and hasattr(target, "rows"):
-        if target.budget_plan is None:
-            raise TypeError('chunkop.plan: this RowOperator was not built with chunk_size="auto".')
-        return target.budget_plan
-    if getattr(f, "chunk_size", None) == "auto" and hasattr(f, "jacobian_of"):  # chunkop.jacrev / jacfwd
-        jax.eval_shape(functools.partial(f, **kwargs), *args)  # plans (cached) what a call would; runs nothing
-        return f.last_plan
-    if getattr(f, "chunk_size", None) != "auto" or not hasattr(f, "plan_for"):
-        raise TypeError(
-            f'chunkop.plan: expected a chunkop transform made with chunk_size="auto" (or such a '
-            f"RowOperator), got {f!r}."
-        )
-    return f.plan_for(args, kwargs)
+    plan_for = getattr(f, "plan_for", None)  # the one protocol: see not_planned
+    if plan_for is None:
+        raise not_planned(f)
+    return plan_for(args, kwargs)
+
+
+def not_planned(f: Any) -> TypeError:
+    """The error of :func:`plan` for ``f``, which makes no ``"auto"`` plan.
+
+    Every object :func:`plan` takes has a method ``plan_for(args, kwargs)`` returning its
+    :class:`BudgetPlan` (the transforms, their bound methods, ``jacrev``/``jacfwd``, the row
+    operators and their transposes); one that was not made with ``chunk_size="auto"`` raises
+    this error from it.
+    """
+    return TypeError(
+        f'chunkop.plan: expected a chunkop transform made with chunk_size="auto" (or a RowOperator '
+        f"built with it), got {f!r}."
+    )

@@ -170,7 +170,7 @@ def jacrev(
         result = jax.tree_util.tree_unflatten(out_tree, blocks)
         return (result, aux) if has_aux else result
 
-    jac.jacobian_of, jac.chunk_size, jac.last_plan = fun, chunk_size, None  # for chunkop.plan
+    _plannable(jac, chunk_size)
     return jac
 
 
@@ -242,5 +242,19 @@ def jacfwd(
         result = jax.tree_util.tree_map(split, cols)
         return (result, aux) if has_aux else result
 
-    jac.jacobian_of, jac.chunk_size, jac.last_plan = fun, chunk_size, None  # for chunkop.plan
+    _plannable(jac, chunk_size)
     return jac
+
+
+def _plannable(jac: Callable, chunk_size: Any) -> None:
+    """Give ``jac`` (made by :func:`jacrev` / :func:`jacfwd`) what ``chunkop.plan`` reads: its
+    ``plan_for(args, kwargs)``, which plans (cached) what a call would, running nothing; and
+    ``last_plan``, the plan of its last call."""
+
+    def plan_for(args: tuple, kwargs: dict) -> _budget.BudgetPlan:
+        if chunk_size != "auto":
+            raise _budget.not_planned(jac)
+        jax.eval_shape(functools.partial(jac, **kwargs), *args)
+        return jac.last_plan
+
+    jac.chunk_size, jac.last_plan, jac.plan_for = chunk_size, None, plan_for

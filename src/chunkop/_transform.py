@@ -245,7 +245,13 @@ class Chunked:
     def plan_for(self, args: tuple, kwargs: dict) -> _budget.BudgetPlan:
         """The ``"auto"`` plan a call with these arguments makes (``chunkop.plan``): stages 1-4,
         nothing compiled but the planner's probes (also cached for the call). With sharded
-        inputs, the plan each device makes for its shard (under ``jax.eval_shape``)."""
+        inputs, the plan each device makes for its shard (under ``jax.eval_shape``).
+
+        Raises:
+            TypeError: when the transform was not made with ``chunk_size="auto"``.
+        """
+        if self.chunk_size != "auto":
+            raise _budget.not_planned(self)
         leaves, treedef, axes, paths = self._flat_arguments(args, kwargs)
         n = mapped_size(leaves, axes, paths, self.axis_size, self.where)
         if n <= 1:

@@ -194,6 +194,15 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
         _check_vector(vector, self.in_structure(), f"{type(self).__name__}.mv")
         return self.apply(vector)
 
+    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> _budget.BudgetPlan:
+        """The ``"auto"`` plan the operator was built with (``chunkop.plan``; ``args`` and
+        ``kwargs`` are not needed).
+
+        Raises:
+            TypeError: when it was not built with ``chunk_size="auto"``.
+        """
+        raise _budget.not_planned(self)
+
     def transpose(self) -> TransposedRowOperator:
         """The transpose ``A^T`` (its own kernel, ``apply_transpose``); ``A.T.T`` is ``A``.
 
@@ -409,6 +418,16 @@ class RowOperator(AbstractRowOperator):
         (recorded when ``row_fn`` was traced, at construction)."""
         return row_sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
 
+    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> _budget.BudgetPlan:
+        """The ``"auto"`` plan the operator was built with (``chunkop.plan``).
+
+        Raises:
+            TypeError: when it was not built with ``chunk_size="auto"``.
+        """
+        if self.budget_plan is None:
+            raise _budget.not_planned(self)
+        return self.budget_plan
+
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
         if _is_symbolic(self.n_rows):  # rows given as an exported function's argument
@@ -494,6 +513,10 @@ class TransposedRowOperator(lx.AbstractLinearOperator):
         """
         _check_vector(vector, self.in_structure(), f"{type(self.operator).__name__}.T.mv")
         return self.operator.apply_transpose(vector)
+
+    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> _budget.BudgetPlan:
+        """The original operator's ``"auto"`` plan (``chunkop.plan``)."""
+        return self.operator.plan_for(args, kwargs)
 
     def transpose(self) -> AbstractRowOperator:
         """The original operator.
