@@ -77,9 +77,59 @@ def _example_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak, sharding=example)
 
 
-def eval_traced(jaxpr: Any, consts: list, *args: Any) -> list:
-    """Evaluate a traced jaxpr (its flat outputs) on the current trace."""
-    return jax.core.eval_jaxpr(jaxpr, consts, *args)
+def eval_traced(jaxpr: Any, consts: list, *args: Any, take_rows: bool = True) -> list:
+    """Evaluate a traced jaxpr (its flat outputs) on the current trace: the one evaluation of
+    ``fun`` and ``row_fn`` in the chunk loops and the operator kernels.
+
+    Every equation is bound as ``jax.core.eval_jaxpr`` binds it but one kind, a read of whole
+    rows (:func:`_reads_whole_rows`: ``x[i]`` of an array of two or more axes, a
+    ``dynamic_slice`` along the leading axis only), which is evaluated as the gather of those
+    rows by a 1-D index (``jnp.take``), with the same values (``dynamic_slice`` clamps its start
+    as ``mode="clip"`` does). Batched over the chunk, that gather takes one index per example,
+    and its transpose (reverse mode; ``A.T.mv``) is a scatter-add of whole rows. The batched
+    ``dynamic_slice`` indexes by ``(i, 0, ...)`` instead, whose scatter-add XLA:TPU runs about
+    80 times slower (``benchmarks/RESULTS.md``, accelerators). ``take_rows=False`` binds
+    every equation (the segment transpose, whose rows each read their own one-slice ``x``).
+    """
+    if not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns):
+        return jax.core.eval_jaxpr(jaxpr, consts, *args)
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, _jaxpr.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        with _jaxpr.eqn_context(eqn):
+            if _reads_whole_rows(eqn):
+                outs = [_take_rows(invals[0], invals[1], eqn.params["slice_sizes"][0])]
+            else:
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            if not isinstance(v, _jaxpr.DropVar):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _reads_whole_rows(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``dynamic_slice`` of an array of two or more axes that takes every
+    axis but the leading one whole (``x[i]``, ``x[i:i + k]`` with ``i`` traced): its starts
+    along those axes are clamped to 0 whatever they are."""
+    if eqn.primitive.name != "dynamic_slice":
+        return False
+    shape, sizes = eqn.invars[0].aval.shape, eqn.params["slice_sizes"]
+    return len(shape) >= 2 and tuple(sizes[1:]) == tuple(shape[1:])
+
+
+def _take_rows(operand: Any, start: Any, size: int) -> Any:
+    """``size`` rows of ``operand`` from ``start`` (clamped so that they fit, as
+    ``lax.dynamic_slice`` clamps it), gathered by a 1-D index."""
+    n = operand.shape[0]
+    first = jnp.clip(start, 0, n - size)
+    return jnp.take(operand, first + jnp.arange(size, dtype=first.dtype), axis=0, mode="clip")
 
 
 # -- collectives over the mapped axis -------------------------------------------------------------

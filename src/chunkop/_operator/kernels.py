@@ -44,7 +44,7 @@ from .. import _jaxpr
 from .._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
 from .._fingerprint import Uncacheable, jaxpr_key, setting_key
 from .._progress import Progress
-from .._trace import trace
+from .._trace import eval_traced, trace
 from .._tree import dtype_of as _dtype
 from .._tree import is_float as _is_float
 from .._tree import zeros_of as _zeros
@@ -119,12 +119,13 @@ class Spec:
         leaves = [jax.ShapeDtypeStruct((n_rows, *o.shape), o.dtype) for o in self.out_leaves]
         return _tu.tree_unflatten(self.out_tree, leaves)
 
-    def row_fn(self, consts: Any, row: Any, x: Any) -> Any:
-        """``row_fn(row, x)``, evaluated from the jaxpr with these ``consts``."""
+    def row_fn(self, consts: Any, row: Any, x: Any, take_rows: bool = True) -> Any:
+        """``row_fn(row, x)``, evaluated from the jaxpr with these ``consts`` (``take_rows``:
+        see :func:`chunkop._trace.eval_traced`)."""
         row_leaves = _tu.tree_structure(row) == self.row_tree and _tu.tree_leaves(row)
         if row_leaves is False:
             raise ValueError(f"RowOperator: a row has structure {_tu.tree_structure(row)}, expected {self.row_tree}.")
-        out = jax.core.eval_jaxpr(self.jaxpr, list(consts), *row_leaves, *_tu.tree_leaves(x))
+        out = eval_traced(self.jaxpr, list(consts), *row_leaves, *_tu.tree_leaves(x), take_rows=take_rows)
         return _tu.tree_unflatten(self.out_tree, out)
 
     @functools.cached_property
@@ -151,8 +152,8 @@ def make_spec(
 ) -> tuple[Spec, tuple]:
     """Trace ``row_fn`` on one row and ``x``: its :class:`Spec`, and the arrays it closes over.
 
-    Operations on concrete closed-over values only are computed while tracing, as under
-    ``jax.vmap`` (so ``row_fn`` may use them in Python control flow and shapes). Every array
+    Where ``row_fn`` needs them (in Python control flow and shapes), operations on concrete
+    closed-over values only are computed while tracing, as under ``jax.vmap``. Every array
     constant of the trace (a closed-over ``jax.Array``, NumPy array or tracer, one such a
     folded operation computed, or one an inner ``jax.jit`` closes over, at any depth:
     :func:`chunkop._trace.trace`) is returned in ``consts``, to be stored as a leaf of the
@@ -161,9 +162,15 @@ def make_spec(
     """
     row0 = _tu.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], jnp.result_type(a)), rows)
     in_leaves, in_tree = _tu.tree_flatten(in_structure)
-    # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well;
-    # operations on concrete closed-over values computed then, as under jax.vmap
-    closed, out_shape = trace(row_fn, row0, in_structure, fold=True)
+    # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well
+    try:
+        closed, out_shape = trace(row_fn, row0, in_structure)
+    except jax.errors.ConcretizationTypeError:
+        # row_fn needs a concrete value of what it closes over (in Python control flow, in a
+        # shape): traced again computing operations on concrete values, as jax.vmap does. Only
+        # then: folding turns the scalars of row_fn's indexing (bounds, starts) into constants,
+        # which would be the operator's leaves, typed on the mesh of the context they ran in.
+        closed, out_shape = trace(row_fn, row0, in_structure, fold=True)
     jaxpr = _jaxpr.open_jaxpr(closed)
     row_tree = _tu.tree_structure(row0)
     if _stops_gradient_of_x(jaxpr, set(jaxpr.invars[len(_tu.tree_leaves(row0)) :])):
@@ -292,8 +299,10 @@ def _segment_transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any) -> 
     local_rows[key] = jnp.zeros((), rows_c[key].dtype)  # every row reads slice 0 ...
     local_x = _tu.tree_map(lambda s: jax.ShapeDtypeStruct((size, 1, *s.shape[1:]), s.dtype), in_struct)
 
-    def per_row(v: Any) -> Any:  # ... of its own one-slice x
-        return jax.vmap(spec.row_fn, (None, row_axes, 0))(consts, local_rows, v)
+    def per_row(v: Any) -> Any:  # ... of its own one-slice x (read as sliced: its transpose
+        # writes each row's own slice, a scatter with unique indices)
+        row_fn = functools.partial(spec.row_fn, take_rows=False)
+        return jax.vmap(row_fn, (None, row_axes, 0))(consts, local_rows, v)
 
     (slices,) = jax.linear_transpose(per_row, local_x)(y_s)
     slices = _tu.tree_map(lambda a: a[:, 0], slices)
