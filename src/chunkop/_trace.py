@@ -93,6 +93,19 @@ def eval_traced(jaxpr: Any, consts: list, *args: Any, take_rows: bool = True) ->
     """
     if not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns):
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+    def rule(eqn: Any, invals: list) -> list | None:
+        if _reads_whole_rows(eqn):
+            return [_take_rows(invals[0], invals[1], eqn.params["slice_sizes"][0])]
+        return None
+
+    return _evaluate(jaxpr, consts, args, rule)
+
+
+def _evaluate(jaxpr: Any, consts: Any, args: Any, rule: Callable[[Any, list], list | None]) -> list:
+    """Evaluate ``jaxpr`` on the current trace as ``jax.core.eval_jaxpr`` does, except that an
+    equation for which ``rule(eqn, input values)`` returns outputs (not None) gives those: the
+    one equation-by-equation evaluator of :func:`eval_traced` and the inliner."""
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -103,9 +116,8 @@ def eval_traced(jaxpr: Any, consts: list, *args: Any, take_rows: bool = True) ->
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         with _jaxpr.eqn_context(eqn):
-            if _reads_whole_rows(eqn):
-                outs = [_take_rows(invals[0], invals[1], eqn.params["slice_sizes"][0])]
-            else:
+            outs = rule(eqn, invals)
+            if outs is None:
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
                 outs = outs if eqn.primitive.multiple_results else [outs]
         for v, o in zip(eqn.outvars, outs):
@@ -310,29 +322,16 @@ def _eqn_holds_consts(eqn: Any, memo: dict) -> bool:
 def _eval_hoisting(jaxpr: Any, consts: Any, *args: Any, memo: dict) -> list:
     """Evaluate ``jaxpr`` on the current trace like ``jax.core.eval_jaxpr``, inlining inner jits
     and re-binding control flow so that no constant stays inside a sub-jaxpr (see above)."""
-    env: dict = {}
 
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, _jaxpr.Literal) else env[v]
+    def rule(eqn: Any, invals: list) -> list | None:
+        if _eqn_holds_consts(eqn, memo):
+            try:
+                return _rebind(eqn, invals, memo)
+            except _KeepEquation:
+                return None
+        return None
 
-    env.update(zip(jaxpr.constvars, consts))
-    env.update(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        outs = None
-        with _jaxpr.eqn_context(eqn):
-            if _eqn_holds_consts(eqn, memo):
-                try:
-                    outs = _rebind(eqn, invals, memo)
-                except _KeepEquation:
-                    outs = None
-            if outs is None:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-                outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, o in zip(eqn.outvars, outs):
-            if not isinstance(v, _jaxpr.DropVar):
-                env[v] = o
-    return [read(v) for v in jaxpr.outvars]
+    return _evaluate(jaxpr, consts, args, rule)
 
 
 def _retrace(body: Any, memo: dict) -> Any:
