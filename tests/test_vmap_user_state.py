@@ -446,6 +446,15 @@ def test_custom_vmap_rule_closing_over_a_value():
         assert_tree_allclose(chunkop.vmap(make(c), chunk_size=3)(xs), jax.vmap(make(c))(xs))
 
 
+def _traces(seen):
+    """The distinct calls ``seen`` records, in order, after checking that each was traced once
+    (twice under ``jax_custom_vjp3``: its rematerialisation of a chunk traces the chunk again)."""
+    distinct = list(dict.fromkeys(seen))
+    times = 2 if chunkop._jaxpr.custom_vjp3() else 1
+    assert seen == [call for call in distinct for _ in range(times)], seen
+    return distinct
+
+
 def _recording_custom_vmap(seen):
     """``sin(x) * w`` as a ``custom_vmap`` whose rule records what it is called with."""
 
@@ -481,11 +490,11 @@ def test_custom_vmap_rule_sees_one_chunk(w_axis):
     seen = []
     assert_tree_allclose(chunked(seen)(xs, w), expected)
     # N=10 in chunks of 4: the two full chunks share one trace (axis_size 4), the remainder 2
-    assert seen == [(size, (True, w_axis == 0), (size,), w_shape(size)) for size in (CHUNK, N % CHUNK)]
+    assert _traces(seen) == [(size, (True, w_axis == 0), (size,), w_shape(size)) for size in (CHUNK, N % CHUNK)]
 
     seen = []
     assert_tree_allclose(jax.jit(chunked(seen))(xs, w), expected)
-    assert [s[0] for s in seen] == [CHUNK, N % CHUNK]
+    assert [s[0] for s in _traces(seen)] == [CHUNK, N % CHUNK]
 
     seen = []
     loss = lambda V: lambda x, w: jnp.sum(V(x, w) ** 2)
@@ -509,7 +518,7 @@ def test_custom_vmap_rule_sees_the_planned_chunk():
     seen = []
     got = chunkop.vmap(_recording_custom_vmap(seen), in_axes=(0, None), chunk_size=4)(xs, 2.0)
     assert_tree_allclose(got, jnp.sin(xs) * 2.0)
-    assert [s[0] for s in seen] == [3]
+    assert [s[0] for s in _traces(seen)] == [3]
     seen = []
     chunkop.vmap(_recording_custom_vmap(seen), in_axes=(0, None), chunk_size=None)(xs, 2.0)
     assert [s[0] for s in seen] == [9]
