@@ -165,36 +165,14 @@ def test_unlucky_draw_is_decided_by_a_pairing_that_does_not_cancel(differential)
 
 
 def bench_ct(n: int, angles: int, detectors: int) -> chunkop.RowOperator:
-    """The CT projector of ``benchmarks/bench_auto.py`` (``ct_row_fn``, ``ct_rays``): ``angles *
-    detectors`` parallel rays through an ``n x n`` image, ``ceil(1.4142 n)`` bilinear samples
-    each, float32 rays and image, chunks of 512 rays."""
-    half, samples = (n - 1) / 2, math.ceil(1.4142 * n)
-    ts = np.linspace(-1.4142 * half, 1.4142 * half, samples).astype(np.float32)
-    dt = float(ts[1] - ts[0])
+    """The CT projector of ``benchmarks/bench_auto.py`` (its ``ct_row_fn`` and ``ct_rays``):
+    ``angles * detectors`` parallel rays through an ``n x n`` image, ``ceil(1.4142 n)`` bilinear
+    samples each, float32 rays and image, chunks of 512 rays."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_auto
 
-    def row_fn(ray: dict, image: jax.Array) -> jax.Array:
-        c, s = jnp.cos(ray["angle"]), jnp.sin(ray["angle"])
-        px, py = ray["offset"] * c - ts * s + half, ray["offset"] * s + ts * c + half
-        x0, y0 = jnp.floor(px), jnp.floor(py)
-        fx, fy = px - x0, py - y0
-        i0, j0 = x0.astype(jnp.int32), y0.astype(jnp.int32)
-
-        def tap(i: jax.Array, j: jax.Array, w: jax.Array) -> jax.Array:
-            inside = (i >= 0) & (i < n) & (j >= 0) & (j < n)
-            return jnp.where(inside, w, 0.0) * image[jnp.clip(i, 0, n - 1), jnp.clip(j, 0, n - 1)]
-
-        total = (
-            tap(i0, j0, (1 - fx) * (1 - fy))
-            + tap(i0 + 1, j0, fx * (1 - fy))
-            + tap(i0, j0 + 1, (1 - fx) * fy)
-            + tap(i0 + 1, j0 + 1, fx * fy)
-        )
-        return jnp.sum(total) * dt
-
-    rays = {
-        "angle": jnp.asarray(np.repeat(np.linspace(0.0, np.pi, angles, endpoint=False), detectors), jnp.float32),
-        "offset": jnp.asarray(np.tile(np.linspace(-(n - 1) / 2, (n - 1) / 2, detectors), angles), jnp.float32),
-    }
+    row_fn = bench_auto.ct_row_fn(n, math.ceil(1.4142 * n))
+    rays = bench_auto.ct_rays(n, angles, detectors)
     return chunkop.RowOperator(row_fn, rays, jax.ShapeDtypeStruct((n, n), jnp.float32), chunk_size=512)
 
 
