@@ -19,6 +19,21 @@ compares with ``jax.vmap`` of the same ``f`` on the *unsharded* input, under one
 and chunk sizes None / 3 (a remainder in each device's shard: 16 / 4 = 4 = 3 + 1, 16 / 2 = 8 =
 3 + 3 + 2) / 2 (divides every shard) / ``"auto"`` (a small budget). Stacked outputs must keep
 the mapped axis sharded over the mesh axis (eagerly; under ``jit`` on Explicit meshes).
+
+Two more families (issue #24, "one engine"), the standalone checks of
+``tests/_sharded_layout_checks.py`` combined with the axes above:
+
+- ``closure-{closure}-{mesh}-{chunk}-{body}-{transform}``: ``fun`` (the model's, with its body)
+  closing over a mesh-replicated array that it indexes (``index``: ``w[1]``, ``w[2:]``), a PRNG
+  key folded with mapped data (``key``), ``jax.lax.with_sharding_constraint`` (``constraint``),
+  or concrete values in Python control flow and shapes (``concrete``: ``float(c.sum())`` of a
+  closed-over array, a NumPy table, an unmapped argument, in ``jnp.zeros(int(t[0]))``), on the
+  Auto and Explicit meshes; the closed-over arrays are made in the mesh context, and the
+  reference is ``jax.vmap`` of the same ``fun`` there, on the unsharded input;
+- ``jac-{jacrev|jacfwd}-{chunk}-{body}-{transform}``: ``chunkop.jacrev`` / ``jacfwd`` of a
+  function of a vector sharded on the Explicit mesh (64 entries, 16 a device), chunk 3 (21 x 3 +
+  1 basis vectors) or ``"auto"``, against ``jax.jacrev`` / ``jax.jacfwd`` of the unsharded vector
+  (and their output sharding on the sharded one).
 """
 
 from __future__ import annotations
@@ -32,6 +47,7 @@ import sys
 MESHES = ["auto", "explicit", "2d"]
 CHUNKS = [None, 3, 2, "auto"]
 MODES = ["eager", "jit", "grad", "vmap", "hessian"]
+BODIES = ["plain", "custom_jvp", "custom_vjp"]
 
 
 def _names() -> tuple[list[str], list[str]]:
@@ -84,8 +100,83 @@ def _names() -> tuple[list[str], list[str]]:
     # sharding (an Auto mesh under jit / grad); with a progress callable
     names += [f"spmd-{m}-{c}-jit" for m in ("auto", "2d") for c in (None, 3, "auto")]
     names += [f"spmd-{m}-3-grad" for m in ("auto", "2d")]
+    closures, closures_slow = _closure_names()
+    jacs, jacs_slow = _jac_names()
+    names += closures + jacs
+    slow |= closures_slow | jacs_slow
     assert slow <= set(names), slow - set(names)
     return [n for n in names if n not in slow], [n for n in names if n in slow]
+
+
+CLOSURES = ["index", "key", "constraint", "concrete"]
+
+
+def _closure_names() -> tuple[list[str], set[str]]:
+    """``fun`` closing over mesh values (``closure-...``): every name, and the ``slow`` ones.
+
+    Left out: ``concrete`` under ``jit`` (``jax.vmap`` itself fails there: ``float()`` of a
+    value computed in the traced function), Hessians off the Explicit mesh, a custom_vjp's
+    Hessian (no forward mode); chunk None (``jax.vmap`` itself) and the dividing chunk 2 run
+    eager and jit with the plain body only, "auto" with a custom rule eager and under grad.
+
+    Default (about 10 CPU-seconds): every closure with chunk 3 eagerly on both meshes and under
+    jit on the Explicit mesh (on the Auto mesh jit hides the sharding: the unsharded loop, which
+    grad runs too); under grad once each, the meshes and bodies spread over them; under an
+    enclosing vmap twice; with "auto" for the mesh-typed array and the sharding constraint (what
+    the planner's probes compile: the others are constants there as under chunk 3); the Hessian
+    with the sharding constraint. The rest (their other meshes, bodies
+    and transforms) repeat those paths: ``slow``."""
+    names = []
+    for cl, m, c, b, t in itertools.product(CLOSURES, ("auto", "explicit"), CHUNKS, BODIES, MODES):
+        if (cl == "concrete" and t == "jit") or (t == "hessian" and (m != "explicit" or b == "custom_vjp")):
+            continue
+        if c in (None, 2) and (b != "plain" or t not in ("eager", "jit")):
+            continue
+        if c == "auto" and b != "plain" and t not in ("eager", "grad"):
+            continue
+        names.append(f"closure-{cl}-{m}-{c}-{b}-{t}")
+    default = {f"closure-{cl}-{m}-3-plain-eager" for cl in CLOSURES for m in ("auto", "explicit")}
+    default |= {f"closure-{cl}-explicit-3-plain-jit" for cl in CLOSURES[:3]}
+    default |= {
+        "closure-index-explicit-3-custom_vjp-grad",
+        "closure-key-auto-3-plain-grad",
+        "closure-constraint-explicit-3-custom_jvp-grad",
+        "closure-concrete-explicit-3-plain-grad",
+        "closure-index-auto-3-plain-vmap",
+        "closure-constraint-explicit-3-plain-vmap",
+        "closure-index-explicit-auto-plain-eager",
+        "closure-constraint-explicit-auto-plain-eager",
+        "closure-constraint-explicit-3-plain-hessian",
+    }
+    assert default <= set(names), default - set(names)
+    return names, set(names) - default
+
+
+def _jac_names() -> tuple[list[str], set[str]]:
+    """``chunkop.jacrev`` / ``jacfwd`` on the Explicit mesh (``jac-...``): every name, the ``slow`` ones.
+
+    Left out: ``jacfwd`` of a custom_vjp (no forward mode in JAX). Default (about 5
+    CPU-seconds): each Jacobian under jit, grad (second order) and an enclosing vmap, and each
+    custom rule once, with chunk 3; ``jacrev``'s "auto" under an enclosing vmap (the planner on
+    the batched pullback of a sharded vector; ``jacfwd`` plans its pushforward the same way).
+    Eager calls with the plain body repeat ``jacobians_on_explicit_mesh``
+    (``tests/_sharded_layout_checks.py``); the rest repeat a default path with another rule or
+    chunk: ``slow``."""
+    names = [
+        f"jac-{j}-{c}-{b}-{t}"
+        for j, c, b, t in itertools.product(("jacrev", "jacfwd"), (3, "auto"), BODIES, MODES[:4])
+        if not (j == "jacfwd" and b == "custom_vjp")
+    ]
+    default = {
+        "jac-jacrev-3-plain-jit",
+        "jac-jacrev-3-plain-grad",
+        "jac-jacrev-auto-plain-vmap",
+        "jac-jacrev-3-custom_vjp-grad",
+        "jac-jacfwd-3-plain-vmap",
+        "jac-jacfwd-3-custom_jvp-jit",
+    }
+    assert default <= set(names), default - set(names)
+    return names, set(names) - default
 
 
 if __name__ == "__main__" and "--list" in sys.argv:
@@ -99,6 +190,7 @@ import traceback  # noqa: E402
 
 import _interaction_model as _model  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -223,9 +315,128 @@ def _check(kind, chunk, body, mode, coll=None, progress=False, spmd=False):
             assert max(k for k, _ in calls) == total, (total, calls)
 
 
+# -- fun closing over mesh values ----------------------------------------------------------------
+
+TABLE = np.array([3, 1])  # a NumPy table: an unmapped argument read as Python ints
+
+
+def closure_mapped(closure, body, vmap):
+    """``vmap(fun, in_axes)`` (``chunkop.vmap`` with its options, or ``jax.vmap``) of the model's
+    ``fun`` with ``body``, extended by ``closure``, as ``mapped(w, x)``. Called in the mesh
+    context: the arrays it closes over are made there (typed on the mesh, replicated)."""
+    f = make_fun(body)
+    if closure == "index":
+        c = jnp.asarray([1.0, -0.5, 0.25, 2.0])
+        return vmap(lambda w, x: f(w * c[1], x) + c[2:].sum(), (None, 0))
+    if closure == "key":
+        key = jax.random.key(1)
+
+        def folded(w, x):
+            k = jax.random.fold_in(key, (x[0] * 100).astype(jnp.int32))  # a key per example
+            return f(w, x) * jax.random.normal(k, ())
+
+        return vmap(folded, (None, 0))
+    if closure == "constraint":
+        return vmap(lambda w, x: jax.lax.with_sharding_constraint(f(w, x), P()) * 2.0, (None, 0))
+    if closure == "concrete":
+        c = jnp.asarray([1.0, 2.0, 3.0])
+
+        def concrete(t, w, x):
+            scale = 1.0 if float(c.sum()) > 0 else 2.0  # Python control flow on a closed-over array
+            return jnp.concatenate([f(w, x) * scale, jnp.zeros(int(t[0]))])  # a shape from the table
+
+        mapped = vmap(concrete, (None, None, 0))
+        return lambda w, x: mapped(TABLE, w, x)
+    raise AssertionError(closure)
+
+
+def _check_closure(closure, kind, chunk, body, mode):
+    mesh, axis = mesh_and_axis(kind)
+    w, x, ws = data()
+    made = []
+
+    def chunked(f, in_axes):
+        made.append(
+            chunkop.vmap(f, in_axes, chunk_size=chunk, memory_budget=budget_for(mode) if chunk == "auto" else None)
+        )
+        return made[-1]
+
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P(axis)))
+        actual = run(mode, closure_mapped(closure, body, chunked), w, xs, ws)
+        # under one jit (compiled once, not operation by operation), but for ``concrete``: its
+        # float() needs the closed-over array concrete, which it is not inside jax.vmap's jit
+        reference = functools.partial(run, mode, closure_mapped(closure, body, jax.vmap))
+        expected = (reference if closure == "concrete" else jax.jit(reference))(w, x, ws)
+    close(actual, expected)
+    if mode == "eager" or mode == "vmap" or (mode == "jit" and kind != "auto"):
+        where = 1 if mode == "vmap" else 0
+        assert spec_at(actual, where) == axis, (actual.sharding, axis)
+    if chunk == "auto":
+        plan = made[0].last_plan
+        assert plan is not None and plan.chunk is not None and plan.chunk < local_n(kind, mode), plan
+
+
+# -- chunkop.jacrev / jacfwd on the Explicit mesh -------------------------------------------------
+
+JAC_N = 64  # 16 entries a device; chunk 3: 21 chunks and a remainder of 1 basis vector
+JAC_BUDGET = 2048  # bytes per enclosing-vmap example: "auto" chunks the 64 basis vectors
+
+
+def jac_fun(body):
+    """A function of a (sharded) vector: elementwise work and full reductions (legal on an
+    Explicit mesh, where ``jnp.outer`` of a sharded vector is not)."""
+    act = _model.BODY[body]
+    return lambda v: act(v * jnp.sum(jnp.sin(v))) + jnp.cos(v) * v.sum()
+
+
+def run_jac(mode, jac, v, vs):
+    if mode == "eager":
+        return jac(v)
+    if mode == "jit":
+        return jax.jit(jac)(v)
+    if mode == "grad":  # second order: the gradient of a function of the Jacobian
+        return jax.grad(lambda v: jnp.sum(jnp.sin(jac(v))))(v)
+    if mode == "vmap":
+        return jax.vmap(jac)(vs)
+    raise AssertionError(mode)
+
+
+def _check_jac(name, chunk, body, mode):
+    mesh, axis = mesh_and_axis("explicit")
+    rng = np.random.default_rng(3)
+    v = jnp.asarray(rng.normal(size=JAC_N), jnp.float32)
+    vs = jnp.asarray(rng.normal(size=(2, JAC_N)), jnp.float32)
+    f = jac_fun(body)
+    reference = functools.partial(run_jac, mode, getattr(jax, name)(f))
+    expected = jax.jit(reference)(v, vs)
+    budget = JAC_BUDGET * (2 if mode == "vmap" else 1) if chunk == "auto" else None
+    jac = getattr(chunkop, name)(f, chunk_size=chunk, memory_budget=budget)
+    with jax.set_mesh(mesh):
+        v_s = jax.device_put(v, NamedSharding(mesh, P(axis)))
+        vs_s = jax.device_put(vs, NamedSharding(mesh, P(None, axis)))
+        actual = run_jac(mode, jac, v_s, vs_s)
+        want = jax.eval_shape(reference, v_s, vs_s)  # jax's own Jacobian of the sharded vector
+    close(actual, expected)
+    assert actual.sharding.spec == want.sharding.spec, (actual.sharding, want.sharding)  # laid out alike
+    if chunk == "auto":
+        plan = jac.last_plan
+        assert plan is not None and plan.chunk is not None and plan.chunk < JAC_N, plan
+
+
+def _chunk(text):
+    return None if text == "None" else text if text == "auto" else int(text)
+
+
 def run_named(name):
     kind, rest = name.split("-", 1)
     parts = rest.split("-")
+    if kind == "closure":  # closure-{closure}-{mesh}-{chunk}-{body}-{transform}
+        _check_closure(parts[0], parts[1], _chunk(parts[2]), parts[3], parts[4])
+        return
+    if kind == "jac":  # jac-{jacrev|jacfwd}-{chunk}-{body}-{transform}
+        _check_jac(parts[0], _chunk(parts[1]), parts[2], parts[3])
+        return
     chunk = None if parts[1] == "None" else parts[1] if parts[1] == "auto" else int(parts[1])
     if kind == "values":
         _check(parts[0], chunk, parts[2], parts[3])

@@ -4,7 +4,8 @@ subprocess, which imports this after setting its ``XLA_FLAGS``).
 
 ``make_fun(body, coll, n)`` is one example's ``f(w, x)`` with a ``(D, D)`` intermediate: its
 activation plain, a ``custom_jvp`` or a ``custom_vjp``, optionally with a collective over the
-mapped axis ``"i"`` of size ``n``; ``run`` applies one transform to a mapped ``f``.
+mapped axis ``"i"`` of size ``n``; ``make_linear_fun(body)`` its linear counterpart;
+``run`` applies one transform to a mapped ``f``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,28 @@ def make_fun(body: str, coll: str | None = None, *, n: int):
         return h
 
     return f
+
+
+@jax.custom_jvp
+def _lin_cj(z):
+    return 2.0 * z
+
+
+@_lin_cj.defjvp
+def _lin_cj_jvp(primals, tangents):
+    return _lin_cj(primals[0]), 2.0 * tangents[0]
+
+
+#: Linear bodies for ``make_linear_fun`` (a linear ``custom_vjp`` is left out: JAX has no
+#: transpose rule for ``custom_vjp_call``, so ``jax.linear_transpose`` of ``jax.vmap`` fails).
+LINEAR_BODY = {"plain": lambda z: 2.0 * z, "custom_jvp": _lin_cj}
+
+
+def make_linear_fun(body: str):
+    """``f(w, x)`` linear in one example ``x`` (D,), with a (D, D) intermediate (``w`` scaled by
+    ``x`` row by row) through a linear ``body``, for ``jax.linear_transpose``."""
+    act = LINEAR_BODY[body]
+    return lambda w, x: (act(w * x[:, None]) @ w).sum(0) + x[::-1]
 
 
 def data(n: int):

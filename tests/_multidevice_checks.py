@@ -546,6 +546,35 @@ def _operator_checks(kind):
 
 
 @check
+def operator_row_fn_sees_the_mesh():
+    """A ``row_fn`` with sharded rows runs in the caller's mesh context, as ``jax.vmap`` of it
+    would: a ``with_sharding_constraint`` in it, and (another ``row_fn``) a closed-over array
+    created on the mesh, indexed by the row, work on Auto and Explicit meshes, under ``jit`` and
+    ``grad``, against the dense matrix (before the operator's device layout, the constraint
+    raised "requires a non-empty mesh")."""
+    rows = los_rows()
+    rng = np.random.default_rng(8)
+    x = jnp.asarray(rng.normal(size=NPIX), jnp.float32)
+    y = jnp.asarray(rng.normal(size=N), jnp.float32)
+    scale = np.linspace(0.5, 1.5, NPIX).astype(np.float32)
+    plain = lambda r, x: row_fn(r, x) * jnp.asarray(scale)[r["idx"][0]]
+    M = np.asarray(chunkop.RowOperator(plain, rows, X_STRUCT, chunk_size=5).as_matrix())
+    n = longest_sum(M)
+    for kind in ("explicit", "auto"):
+        with jax.set_mesh(mesh_of(kind)):
+            table = jnp.asarray(scale)  # typed on the mesh (replicated) on an Explicit mesh
+            constrained = lambda r, x: jax.lax.with_sharding_constraint(plain(r, x), P())
+            closing = lambda r, x: row_fn(r, x) * table[r["idx"][0]]
+            rs = jax.device_put(rows, P("d"))
+            for fn in (constrained, closing):
+                A = chunkop.RowOperator(fn, rs, X_STRUCT, chunk_size=5)
+                close(jax.jit(lambda A, x: A.mv(x))(A, x), M @ x, n)
+                close(A.T.mv(jax.device_put(y, P("d"))), M.T @ y, n)
+                g = jax.jit(jax.grad(lambda x: jnp.sum(A.mv(x) ** 2)))(x)
+                close(g, 2 * M.T @ (M @ x), 2 * n)
+
+
+@check
 def operator_segment_transpose_sharded_rows():
     """``segment_key``: each device sums its own rows per target (sorted within each chunk of
     its shard), then the one all-reduce; values and the gradient w.r.t. ``y`` against the dense

@@ -9,6 +9,7 @@ PRNG keys).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from _device_checks import TEST_XLA_FLAGS
 
@@ -46,6 +47,45 @@ def primitive_names(jaxpr) -> set[str]:
                 if hasattr(item, "eqns") or (hasattr(item, "jaxpr") and hasattr(item.jaxpr, "eqns")):
                     names |= primitive_names(item)
     return names
+
+
+def _usable_cpus() -> int:
+    """The cores this process may run on: its affinity, capped by a cgroup CPU quota (a container
+    limited to 2 CPUs on a 64-core host sees 64 in ``os.cpu_count()``)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def _available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo`` (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+#: Memory one test worker may use at its peak (its compiled programs and the 4-device subprocesses
+#: it starts): ``-n auto`` starts no more workers than the available memory holds.
+WORKER_BYTES = 3 << 30
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (the README's test command): one worker per usable core, and no more than the
+    available memory holds (on a many-core machine, one worker per core would run it out)."""
+    workers = _usable_cpus()
+    available = _available_bytes()
+    if available is not None:
+        workers = min(workers, max(1, available // WORKER_BYTES))
+    return workers
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ Skipped when ``build``/``twine`` are missing or the tree is not a git checkout.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -137,3 +138,18 @@ def test_release_files_agree():
     assert released, f"CHANGELOG.md has no '## [{version}] - YYYY-MM-DD' section"
     assert re.search(rf'^date-released: "{released.group(1)}"$', citation, re.MULTILINE), "release dates differ"
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0" in (ROOT / "LICENSE").read_text()
+
+
+def test_auto_workers_bounded_by_cores_and_memory(monkeypatch):
+    """The README's ``-n auto`` starts one worker per usable core, no more than memory holds."""
+    import conftest
+
+    monkeypatch.setattr(conftest, "_usable_cpus", lambda: 64)
+    monkeypatch.setattr(conftest, "_available_bytes", lambda: 20 << 30)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 20 // 3
+    monkeypatch.setattr(conftest, "_available_bytes", lambda: 1 << 30)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 1
+    monkeypatch.setattr(conftest, "_available_bytes", lambda: None)
+    assert conftest.pytest_xdist_auto_num_workers(None) == 64
+    monkeypatch.undo()
+    assert 1 <= conftest.pytest_xdist_auto_num_workers(None) <= (os.cpu_count() or 1)

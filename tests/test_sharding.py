@@ -32,6 +32,7 @@ NAMES = [
     "map_sharded",
     "sum_mean_values_grad_one_allreduce",
     "sum_spmd_axis_name_auto_under_jit",
+    "operator_row_fn_sees_the_mesh",
     "operator_segment_transpose_sharded_rows",
     "operator_eager_calls_compile_once_per_key",
     "operator_sharded_rows_explicit",

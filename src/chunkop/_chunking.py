@@ -146,20 +146,17 @@ def fusion_barrier(chunk: Any, key: jax.Array | int | None = None) -> Any:
 
     The scan reads each chunk as a slice of the stacked rows (a ``dynamic-slice`` of the
     scan's input). XLA:CPU fuses that slice into the loop fusion that computes the weights
-    from the row data, and there (issue #16, the users' literal weights
-    ``-diff(exp(-(d - b) / (d s b)))``, whose ``exp`` of shape ``(chunk, n_bins + 1)`` both
-    slices of the ``diff`` read) the fusion ran about 4x slower than the same fusion fed by
-    plain buffers, as in the unchunked program. Passing the chunk's operands through a
+    from the row data, which for weights read twice (the users' literal
+    ``-diff(exp(-(d - b) / (d s b)))``) runs far slower than the same fusion fed by plain
+    buffers (figures: ``benchmarks/RESULTS.md``). Passing the chunk's operands through a
     ``lax.cond`` on a predicate that is always true but opaque to XLA (:func:`_index_predicate`;
     the false branch returns zeros) makes the chunk a separate buffer: XLA keeps a conditional
     whose branches differ, and nothing fuses across it. The weights still fuse into their
     consumer (the gather-dot of the matvec, the scatter-add's update of the transpose), which
-    is the fastest form where the weights are cheap (the expm1 form).
-
-    ``lax.optimization_barrier`` on the computed weights (an earlier barrier) is absent from
-    XLA:CPU's optimized HLO, and a ``lax.cond`` passing the computed weights through two
-    identical branches did not help (issue #16). Checked on the optimized HLO
-    (``tests/test_operator_fusion.py``).
+    is the fastest form where the weights are cheap (the expm1 form). Neither
+    ``lax.optimization_barrier`` on the computed weights (absent from XLA:CPU's optimized HLO)
+    nor a ``lax.cond`` passing them through two identical branches separates them. Checked on
+    the optimized HLO (``tests/test_operator_fusion.py``).
 
     The predicate comes from the chunk index, never from the chunk's data, for every chunk
     alike: under ``jax.vmap`` (an operator over sets of rows) a predicate computed from the
@@ -169,7 +166,7 @@ def fusion_barrier(chunk: Any, key: jax.Array | int | None = None) -> Any:
 
     The barrier is chosen per platform when the program is lowered
     (``jax.lax.platform_dependent``): the conditional on CPU, the chunk unchanged on every other
-    platform (none measured there). So a program exported on a CPU host for an accelerator
+    platform. So a program exported on a CPU host for an accelerator
     carries no barrier, and one exported for several platforms carries it for CPU only.
     """
     leaves, tree = jax.tree_util.tree_flatten(chunk)

@@ -127,7 +127,7 @@ def fixed_bytes(jaxpr: Any, n_inputs: int | None = None, *, operands: Any = ()) 
     ``x``), counted once per per-element equation that reads it *after the first*: under a
     derivative or a transpose each use makes a cotangent of the operand's size per chunk, and
     all but one of them are separate buffers summed into the loop's carry (the first updates it
-    in place: measured on XLA:CPU, a ``RowOperator`` whose row reads ``x`` once scatters each
+    in place: on XLA:CPU, a ``RowOperator`` whose row reads ``x`` once scatters each
     chunk into the carry; one that reads it at the four corners of a bilinear interpolation
     fills three more images per chunk and adds them). And the values computed without the first
     ``n_inputs`` inputs (the mapped ones), which every chunk recomputes.

@@ -216,9 +216,8 @@ def free_memory(device: Any = None) -> int:
 
 
 # On CPU, chunking is also a throughput optimisation: chunks whose working set stays near the
-# caches run faster than one large vectorised pass (benchmarks/results/vmap.json: a 4-layer MLP's
-# grad at N = 65536 ran 1.21x jax.vmap's speed at chunk 1024, 4.8 MiB of temp, and 1.27-1.96x at
-# chunk 4096, 17.5 MiB). So on CPU the planner aims at min(budget, settings().cpu_temp_cap)
+# caches run faster than one large vectorised pass (figures: benchmarks/RESULTS.md, "Chunked
+# vmap", the chunk-size sweep). So on CPU the planner aims at min(budget, settings().cpu_temp_cap)
 # (16 MiB by default, chunkop.configure changes it). Accelerators get no cap.
 
 

@@ -21,10 +21,9 @@ forward loop only; ``jax.linear_transpose`` from the transposed loop.
 
 **How often.** Of a loop's ``n_full`` full chunks, the first, the last and every ``stride``-th
 one report (``stride = ceil(n_full / MAX_REPORTS)``: at most ``MAX_REPORTS + 2`` host callbacks
-per loop, whatever the chunk count; measured on a loaded 2-core CPU, a call costs 0.01 ms in a
-loop with a trivial body and up to about 0.2 ms between real chunks, see ``_call_p``), and so
-does the remainder chunk. The choice is a ``lax.cond`` in the loop: the
-other chunks make no callback.
+per loop, whatever the chunk count; the cost of a call: ``benchmarks/RESULTS.md``, "Progress",
+and ``_call_p``), and so does the remainder chunk. The choice is a ``lax.cond`` in the loop:
+the other chunks make no callback.
 
 **The host side.** The callbacks are unordered (an ordered effect threads a token through the
 loop and is refused on more than one device), so the host makes sense of them: each report names
@@ -349,8 +348,8 @@ def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
 
 
 # The host call itself. ``jax.pure_callback`` would do, but it moves its operands into JAX arrays
-# on the host before calling (``device_put``): in a scan with a trivial body on a loaded 2-core
-# CPU, 0.3 ms a call, against 0.01 ms for a plain Python callback of NumPy arrays
+# on the host before calling (``device_put``), which costs many times a plain Python callback of
+# NumPy arrays (figures: benchmarks/RESULTS.md, "Progress"). So it is such a callback
 # (``mlir.emit_python_callback``, what ``pure_callback`` lowers to), placed the same way
 # (``_callback_op_sharding``: per device inside ``shard_map``). Pure (no side effect for XLA), so
 # it goes when its result is unused.

@@ -27,8 +27,8 @@ barrier, a few kernel launches: :data:`STEP_BYTES` of work) and a buffer the siz
 unmapped operand per use after the first (:func:`chunkop._estimate.fixed_bytes`: the cotangents
 of a weight matrix under ``jax.grad``, the images a ``RowOperator``'s transpose scatters into). A chunk whose
 estimated bytes are less than :data:`OVERHEAD_RATIO` times that fixed work spends a tenth or
-more of its time on overhead (a CT projector's transpose at chunk 24 of 92160 rays ran 1.6x
-slower than at 256-4096). So the chunk is at least :func:`overhead_floor` elements, even where
+more of its time on overhead (figures: ``benchmarks/RESULTS.md``, "Figures behind the planner's
+constants"). So the chunk is at least :func:`overhead_floor` elements, even where
 one element is so large that the cap alone would allow fewer: the soft cap is then exceeded, up
 to :data:`OVER_CAP` times it (by the estimate, which errs high), never past a caller's budget.
 The floor is reported as ``plan.floor``.
@@ -55,10 +55,9 @@ _MAX_VERIFY = 6  # compiles after the two probes before falling back to halving
 #: whatever its size (:func:`overhead_floor`): the overhead is then a small share of a step.
 OVERHEAD_RATIO = 16
 #: The fixed work of one loop step (the scan step, the chunk's slices and fusion barrier, the
-#: launches of the body's kernels), in bytes of estimated work: about 60 us per step on CPU
-#: (a RowOperator HVP ran 14.5 ms in 64 steps, 10.9 ms in 4), and the LOS and CT operators
-#: processed their estimated bytes at about 16 GB/s (LOS ``T.mv``: 131072 rows of 8.8 KiB in
-#: 62 ms; CT: 92160 rays of 610 KiB in 3.5 s), so one step is worth about 1 MiB of them.
+#: launches of the body's kernels), in bytes of estimated work: the time of one step's overhead
+#: on CPU, times the rate at which the CPU processes estimated bytes (how it was measured:
+#: ``benchmarks/RESULTS.md``, "Figures behind the planner's constants").
 STEP_BYTES = 2**20
 #: How far past the CPU throughput cap the overhead floor may push a chunk (by the estimate of
 #: its memory, or by its measured memory): the cap is a speed heuristic, the budget is not.
@@ -517,9 +516,9 @@ def _other_layout(search: _Search) -> tuple[int, int] | None:
     """A chunk within the budget among those that leave a remainder, when every chunk measured divides ``n``.
 
     A chunk that divides the axis is read through a reshape of the inputs, one that does not
-    through slices inside the loop body (:mod:`chunkop._chunking`); the two can differ by a copy
-    of the inputs (measured: under an enclosing ``jax.vmap`` of 8, a reshape of the batched
-    input cost 16 MiB at every chunk dividing 4096, slices 1-6 MiB). So when every chunk
+    through slices inside the loop body (:mod:`chunkop._chunking`); under an enclosing
+    ``jax.vmap`` the two can differ by a copy of the batched inputs (an example:
+    ``benchmarks/RESULTS.md``, "Figures behind the planner's constants"). So when every chunk
     tried divides ``n`` and none fits, chunks with a remainder are tried: from the first
     probe down by halves (at most four compiles) and, from one that fits, one step up along the
     probes' slope.
@@ -555,7 +554,7 @@ def _candidate(n: int, target: int, low: int) -> int:
     The largest chunk of at least ``target / 2`` whose remainder ``n % chunk`` is at most an
     eighth of it (a divisor of ``n`` is best): XLA does not always share the remainder chunk's
     buffers with the scan's, so a large remainder can add up to a chunk's worth of temp memory
-    (measured: chunk 4615 of 8192, remainder 3577, 40.5 MiB vs 24.3 MiB at chunk 4096).
+    (an example: ``benchmarks/RESULTS.md``, "Figures behind the planner's constants").
 
     Args:
         n: the size of the axis.

@@ -15,16 +15,16 @@ Under ``jax.jit`` on an Auto mesh the argument types carry no sharding, so there
 detect: ``spmd_axis_name`` names the mesh axes, or use an Explicit mesh (``jax.make_mesh``'s
 default).
 
-This module finds the mesh axes (:func:`mapped_mesh_axes`) and reshards to specs
-(:func:`_conform`); the row-sharded kernels of :class:`chunkop.RowOperator`
-(:mod:`chunkop._operator.row_sharding`, a ``shard_map`` over the rows) use both.
+This module finds the mesh axes (:func:`mapped_mesh_axes`), sets their mesh as the context
+(:func:`mesh_context`) and reshards to specs (:func:`_conform`); the row-sharded kernels of
+:class:`chunkop.RowOperator` (:mod:`chunkop._operator.row_sharding`: the same device layout over
+the rows) use all three.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -49,26 +49,6 @@ class MeshAxes(NamedTuple):
     @property
     def n_shards(self) -> int:
         return math.prod(int(self.mesh.shape[a]) for a in self.names)
-
-
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def _inside_local():
-    """While tracing a device-local body (a sharded operator's kernel): no further sharding
-    dispatch of the transforms it calls (their inputs are that device's shards)."""
-    prev = getattr(_LOCAL, "active", False)
-    _LOCAL.active = True
-    try:
-        yield
-    finally:
-        _LOCAL.active = prev
-
-
-def in_local_body() -> bool:
-    """Whether a device-local body (:func:`_inside_local`) is being traced."""
-    return getattr(_LOCAL, "active", False)
 
 
 def _sharding_of(x: Any) -> NamedSharding | None:
@@ -114,13 +94,11 @@ def mapped_mesh_axes(
         spmd_axis_name: the transform's ``spmd_axis_name`` (a mesh axis name or tuple of them).
 
     Returns:
-        A :class:`MeshAxes`, or None (also inside a device-local body: no nested dispatch).
+        A :class:`MeshAxes`, or None.
 
     Raises:
         ValueError: when mapped inputs are sharded over different mesh axes or meshes.
     """
-    if in_local_body():
-        return None
     found: MeshAxes | None = None
     for x, a in zip(leaves, axes):
         if a is None:
@@ -149,13 +127,20 @@ def mapped_mesh_axes(
     return found
 
 
-def mesh_context(mesh_axes: MeshAxes) -> Any:
-    """The mesh of ``mesh_axes`` as the current mesh (``jax.set_mesh``), where none is set and
-    it is concrete (sharded arrays called on outside a ``jax.set_mesh`` context): the chunked
-    program's device axis is then sharded over that mesh's axes by name."""
-    if jax.sharding.get_abstract_mesh().empty and isinstance(mesh_axes.mesh, jax.sharding.Mesh):
-        return jax.set_mesh(mesh_axes.mesh)
-    return contextlib.nullcontext()
+def mesh_context(mesh_axes: MeshAxes, *arrays: Any) -> Any:
+    """The mesh of ``mesh_axes`` as the current mesh, where none is set (sharded arrays called
+    on outside a ``jax.set_mesh`` context): the chunked program's device axis is then sharded
+    over that mesh's axes by name. ``jax.set_mesh`` for a concrete mesh outside a trace; the
+    abstract mesh while tracing (``jax.jit`` refuses ``set_mesh``; ``arrays`` holds a tracer,
+    or the mesh is abstract: read off a traced array's type)."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return contextlib.nullcontext()
+    mesh = mesh_axes.mesh
+    if isinstance(mesh, jax.sharding.Mesh) and not any(
+        isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(arrays)
+    ):
+        return jax.set_mesh(mesh)
+    return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
 
 
 def unsplit(leaves: list, axes: list, mesh_axes: MeshAxes) -> list:
@@ -191,8 +176,8 @@ def spec_at(axis: int, names: tuple) -> P:
 
 
 # ----------------------------------------------------------------------------------------------
-# Resharding to the specs the sharded programs expect on an Explicit mesh (the transforms' device
-# layout and the row-sharded kernels' shard_map both use it).
+# Resharding to the specs the device layout expects on an Explicit mesh (the transforms' and the
+# row-sharded kernels').
 
 
 def _explicit(mesh_axes: MeshAxes) -> bool:
@@ -204,7 +189,7 @@ def _explicit(mesh_axes: MeshAxes) -> bool:
 
 def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
     """On an Explicit mesh, reshard the leaves whose sharding type differs from ``specs``
-    (``shard_map`` requires the types to match; e.g. lineax may hand over replicated rows).
+    (the device layout splits the sharded axis; e.g. lineax may hand over replicated rows).
 
     Args:
         tree: a pytree of arrays.

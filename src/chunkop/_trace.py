@@ -87,19 +87,34 @@ def eval_traced(jaxpr: Any, consts: list, *args: Any, take_rows: bool = True) ->
     rows by a 1-D index (``jnp.take``), with the same values (``dynamic_slice`` clamps its start
     as ``mode="clip"`` does). Batched over the chunk, that gather takes one index per example,
     and its transpose (reverse mode; ``A.T.mv``) is a scatter-add of whole rows. The batched
-    ``dynamic_slice`` indexes by ``(i, 0, ...)`` instead, whose scatter-add XLA:TPU runs about
-    80 times slower (``benchmarks/RESULTS.md``, accelerators). ``take_rows=False`` binds
+    ``dynamic_slice`` indexes by ``(i, 0, ...)`` instead, whose scatter-add XLA:TPU runs far
+    slower (figures: ``benchmarks/RESULTS.md``, "Accelerators"). ``take_rows=False`` binds
     every equation (the segment transpose, whose rows each read their own one-slice ``x``).
     """
-    if not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns):
+    meshless = not jax.sharding.get_abstract_mesh().empty and any(_traced_without_mesh(e) for e in jaxpr.eqns)
+    if not meshless and (not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns)):
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
 
     def rule(eqn: Any, invals: list) -> list | None:
-        if _reads_whole_rows(eqn):
+        if take_rows and _reads_whole_rows(eqn):
             return [_take_rows(invals[0], invals[1], eqn.params["slice_sizes"][0])]
+        if meshless and _traced_without_mesh(eqn):  # run in this context, not in its empty mesh
+            inner = eqn.params["jaxpr"]
+            return _evaluate(inner.jaxpr, inner.consts, invals, rule)
         return None
 
     return _evaluate(jaxpr, consts, args, rule)
+
+
+def _traced_without_mesh(eqn: Any) -> bool:
+    """Whether ``eqn`` is an inner ``jax.jit`` traced outside any mesh context (a ``row_fn``
+    traced so, :func:`chunkop._operator.row_sharding.traced_for_rows`): bound in a mesh
+    context, it would run its body in its own empty mesh, where the ``jax.vmap`` of the
+    device layout cannot name the mesh axes; :func:`eval_traced` evaluates its body inline."""
+    if eqn.primitive.name not in _JITS:
+        return False
+    mesh = eqn.params.get("ctx_mesh")
+    return mesh is not None and getattr(mesh, "empty", False)
 
 
 def _evaluate(jaxpr: Any, consts: Any, args: Any, rule: Callable[[Any, list], list | None]) -> list:

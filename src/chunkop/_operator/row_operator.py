@@ -16,6 +16,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import _budget
 from .._axes import _is_symbolic, symbolic_size_message
+from .._budget import BudgetPlan
 from .._progress import Progress, check_progress
 from .._tree import zeros_of
 from .._vmap import vmap
@@ -194,7 +195,7 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
         _check_vector(vector, self.in_structure(), f"{type(self).__name__}.mv")
         return self.apply(vector)
 
-    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> _budget.BudgetPlan:
+    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> BudgetPlan:
         """The ``"auto"`` plan the operator was built with (``chunkop.plan``; ``args`` and
         ``kwargs`` are not needed).
 
@@ -385,11 +386,17 @@ class RowOperator(AbstractRowOperator):
             chunk_size = 1  # nothing to plan: no row, no chunk
         self.mesh_axes = row_sharding.row_mesh(rows)
         x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
-        with row_sharding.spec_context(rows):  # rows over devices: trace without a mesh context
-            spec, self.consts = kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
-        spec = spec.at(spec.chunk_size, None, segment_key)
-        if chunk_size == "auto":  # planned on that one trace of row_fn
-            self.budget_plan = row_plan.plan_rows(spec, self.consts, rows, memory_budget)
+
+        def trace_and_plan() -> tuple:
+            spec, consts = kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
+            spec = spec.at(spec.chunk_size, None, segment_key)
+            # "auto": planned on that one trace of row_fn
+            plan = row_plan.plan_rows(spec, consts, rows, memory_budget) if chunk_size == "auto" else None
+            return spec, consts, plan
+
+        # in the context the kernels run row_fn in (rows sharded over an Explicit mesh: automatic axes)
+        spec, self.consts, self.budget_plan = row_sharding.traced_for_rows(trace_and_plan, rows)
+        if self.budget_plan is not None:
             chunk_size = self.budget_plan.chunk or n_rows
         self.spec = spec.at(chunk_size, progress)  # (the transpose kept)
         self.rows = rows
@@ -418,7 +425,7 @@ class RowOperator(AbstractRowOperator):
         (recorded when ``row_fn`` was traced, at construction)."""
         return row_sharding.with_sharding(self.spec.out_structure(self.n_rows), self, rows=True)
 
-    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> _budget.BudgetPlan:
+    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> BudgetPlan:
         """The ``"auto"`` plan the operator was built with (``chunkop.plan``).
 
         Raises:
@@ -441,7 +448,7 @@ class RowOperator(AbstractRowOperator):
         """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
         if _is_symbolic(self.n_rows):
             _check_rows(self.rows)
-        if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # one psum of the x-space result
+        if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # one all-reduce of the x-space result
             return row_sharding.sharded_apply(
                 kernels.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes, transpose=True
             )
@@ -514,7 +521,7 @@ class TransposedRowOperator(lx.AbstractLinearOperator):
         _check_vector(vector, self.in_structure(), f"{type(self.operator).__name__}.T.mv")
         return self.operator.apply_transpose(vector)
 
-    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> _budget.BudgetPlan:
+    def plan_for(self, args: tuple = (), kwargs: dict | None = None) -> BudgetPlan:
         """The original operator's ``"auto"`` plan (``chunkop.plan``)."""
         return self.operator.plan_for(args, kwargs)
 
@@ -577,8 +584,8 @@ def _dense(base: AbstractRowOperator) -> jax.Array:
         f = lambda flat: ravel_pytree(base.row_fn(row, unravel_x(flat)))[0]
         return linear_jacobian(f, at)  # (row_out_size, in_size); exact: f is linear
 
-    # `flat_x` an argument, not a closure: with rows sharded over devices the vmap runs in a
-    # shard_map (row_sharding.map_rows), which takes Explicit-mesh arrays as arguments only
+    # `flat_x` an argument, not a closure: with rows sharded over devices the vmap runs with the
+    # mesh axes automatic (row_sharding.map_rows), which retypes its arguments only
     blocks = row_sharding.map_rows(vmap(row_matrix, in_axes=(0, None), chunk_size=base.chunk_size), base.rows, flat_x)
     if jax.tree_util.tree_structure(base.out_structure()).num_leaves != 1:
         # rows' outputs are pytrees: reorder from row-major blocks to ravel_pytree's leaf order

@@ -1,39 +1,38 @@
 """A ``RowOperator`` whose rows are sharded over devices along their leading (row) axis.
 
 Rows sharded along axis 0 (:func:`row_mesh`; recorded on the operator when it is built, see
-:func:`operator_mesh`) make ``A.mv`` and ``A.T.mv`` run in one ``jax.shard_map`` over the rows'
-mesh axes (:func:`sharded_apply`): the arrays ``row_fn`` closes over and ``x`` replicated, each
-device running the single-device kernel on its own rows.
+:func:`operator_mesh`) make ``A.mv`` and ``A.T.mv`` run in the transforms' device layout
+(:func:`on_devices`): the rows as ``(devices, rows per device)``, the single-device kernel under
+``jax.vmap`` over the device axis, the arrays ``row_fn`` closes over and ``x`` read whole by every
+device.
 
 - ``A x`` comes back sharded like the rows, with no collective; or, for
-  ``out_sharding="replicated"``, resharded to replicated outside the ``shard_map``
-  (:func:`replicate`: one all-gather, whose derivative is a local slice);
-- ``A^T y`` sums the devices' x-space results with one ``psum``.
+  ``out_sharding="replicated"``, resharded to replicated (:func:`replicate`: one all-gather,
+  whose derivative is a local slice);
+- ``A^T y`` sums the devices' x-space results: one all-reduce.
 
 On an Explicit mesh the operator's in/out structures carry these shardings
-(:func:`with_sharding`), as lineax expects of the vectors it compares them with. ``row_fn`` is
-traced without a mesh context (:func:`spec_context`), so that its jaxpr runs inside the
-``shard_map`` too.
+(:func:`with_sharding`), as lineax expects of the vectors it compares them with, and ``row_fn``
+is traced (:func:`traced_for_rows`) and run with the rows' mesh axes automatic.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._cache import register_cache
-from .._sharding import MeshAxes, _conform, _explicit, _inside_local, in_local_body, mapped_mesh_axes, spec_at
+from .._sharding import MeshAxes, _conform, _explicit, mapped_mesh_axes, mesh_context, spec_at
 
 __all__ = [
     "row_mesh",
     "operator_mesh",
-    "spec_context",
+    "traced_for_rows",
     "with_sharding",
     "sharded_apply",
     "map_rows",
@@ -44,7 +43,7 @@ __all__ = [
 def row_mesh(rows: Any) -> MeshAxes | None:
     """The mesh axes the leading (row) axis of ``rows`` is sharded over.
 
-    All sharded leaves must agree; unsharded leaves are resharded by ``shard_map``.
+    All sharded leaves must agree; unsharded leaves are resharded to the rows' sharding.
 
     Args:
         rows: the operator's row pytree.
@@ -56,26 +55,35 @@ def row_mesh(rows: Any) -> MeshAxes | None:
     return mapped_mesh_axes(leaves, [0] * len(leaves), "RowOperator")
 
 
-def spec_context(rows: Any) -> Any:
-    """The context to trace a row-sharded operator's ``row_fn`` in: no mesh.
+def traced_for_rows(make: Callable[[], Any], rows: Any) -> Any:
+    """``make()`` (the trace of ``row_fn``, and the plan made on it) in the context the kernels
+    run ``row_fn`` in (:func:`on_devices`).
 
-    A jaxpr traced under ``jax.set_mesh`` records that mesh in its nested ``jit`` equations
-    (``jnp`` functions are jitted), and evaluating it inside ``shard_map``, where the row axis is
-    Manual, then fails (context mesh vs aval mesh). Traced without a mesh it runs in both
-    places. Only operators with sharded rows are traced so (an unsharded operator built under
-    an Explicit mesh needs its mesh context for its derivatives); so the ``row_fn`` of an
-    operator built under a mesh from unsharded rows cannot be reused for sharded rows: build
-    the sharded operator from its own ``row_fn``, or build the first one outside the mesh.
+    On an Explicit mesh the kernels run ``row_fn`` with the rows' mesh axes automatic: a jaxpr
+    traced in the Explicit context would carry that mesh's types into its constants and
+    broadcasts, which JAX then refuses beside the automatic values. So ``row_fn`` is traced with
+    those axes automatic (a ``with_sharding_constraint`` in it works). A ``row_fn`` that closes
+    over an array typed on the Explicit mesh cannot be traced so (JAX refuses that array beside
+    automatic values): it is traced without a mesh context instead, and its inner jits are then
+    evaluated inline (:func:`chunkop._trace.eval_traced`). Elsewhere: the caller's context.
 
     Args:
+        make: the trace (and plan) to run.
         rows: the operator's row pytree.
 
     Returns:
-        A context manager: an empty abstract mesh for sharded rows under a mesh, else a no-op.
+        ``make()``.
     """
-    if row_mesh(rows) is None or jax.sharding.get_abstract_mesh().empty:
-        return contextlib.nullcontext()
-    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ()))
+    mesh_axes = row_mesh(rows)
+    if mesh_axes is None or not _explicit(mesh_axes):
+        return make()
+    mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.update_axis_types({a: AxisType.Auto for a in mesh_axes.names})):
+            return make()
+    except ValueError:  # an Explicit-typed closed-over array beside automatic values
+        with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return make()
 
 
 def operator_mesh(op: Any) -> MeshAxes | None:
@@ -83,7 +91,7 @@ def operator_mesh(op: Any) -> MeshAxes | None:
 
     From the rows themselves, or as recorded when the operator was built (under ``jax.jit`` on
     an Auto mesh, traced rows carry no sharding; an operator built outside ``jit`` from sharded
-    rows keeps it). None inside a device-local body, where the rows are one device's.
+    rows keeps it).
 
     Args:
         op: the operator (its ``rows`` and ``mesh_axes``).
@@ -92,9 +100,7 @@ def operator_mesh(op: Any) -> MeshAxes | None:
         A :class:`chunkop._sharding.MeshAxes`, or None for rows on one device.
     """
     found = row_mesh(op.rows)
-    if found is None and not in_local_body():
-        found = getattr(op, "mesh_axes", None)
-    return found
+    return getattr(op, "mesh_axes", None) if found is None else found
 
 
 def _any_explicit(mesh: Any) -> bool:
@@ -124,7 +130,7 @@ def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
 
     - rows sharded over an Explicit mesh: the row space (``rows=True``) is sharded like the
       rows along its leading axis (replicated for ``out_sharding="replicated"``), the x space
-      replicated (``T.mv`` ends in a ``psum``);
+      replicated (``T.mv`` ends in an all-reduce);
     - otherwise, under a ``jax.set_mesh`` context with Explicit axes: both spaces replicated
       on that mesh (what a vector created there is typed as);
     - otherwise (no mesh, Auto axes): no sharding, as ``jax.eval_shape`` reports there.
@@ -157,8 +163,8 @@ def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
 def replicate(tree: Any, mesh_axes: MeshAxes) -> Any:
     """On an Explicit mesh, ``tree`` resharded to replicated (an all-gather); else unchanged.
 
-    Outside the ``shard_map`` (``jax.sharding.reshard``), so that its derivative is the exact
-    transpose (a local slice) rather than a ``psum_scatter`` of replicated cotangents.
+    Outside the device layout (``jax.sharding.reshard``), so that its derivative is the exact
+    transpose (a local slice).
 
     Args:
         tree: a pytree of arrays (``A x``, sharded like the rows).
@@ -197,7 +203,7 @@ def sharded_apply(
     - ``A x`` (``transpose=False``): ``x`` replicated on every device; the rows of ``A x``
       come back sharded along axis 0 like ``rows``, with no collective.
     - ``A^T y`` (``transpose=True``): ``y``'s rows are sharded like ``rows`` (resharded if they
-      are not); each device transposes its own rows, then one ``psum`` over ``mesh_axes``
+      are not); each device transposes its own rows, then one all-reduce over ``mesh_axes``
       sums the x-space results (replicated).
 
     Args:
@@ -213,22 +219,20 @@ def sharded_apply(
     Returns:
         The rows of ``A x``, sharded along axis 0 like ``rows``; or ``A^T y``, replicated.
     """
-    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
-    specs = _in_specs(consts, rows, vector, mesh_axes.names, transpose)
-    consts, rows, vector = (_conform(t, p, mesh_axes) for t, p in zip((consts, rows, vector), specs))
-    return _sharded_program(consts, rows, vector, kernel=kernel, spec=spec, mesh_axes=mesh_axes, transpose=transpose)
+    with mesh_context(mesh_axes, consts, rows, vector):  # (the jit's cache keys on the context mesh)
+        return _sharded_program(
+            consts, rows, vector, kernel=kernel, spec=spec, mesh_axes=mesh_axes, transpose=transpose
+        )
 
 
 def map_rows(fn: Callable, rows: Any, *unmapped: Any) -> Any:
     """``fn(rows, *unmapped)``, a function that maps over the rows (every output has the rows'
     leading axis), evaluated where the operator's kernels run its rows: with rows sharded over
-    devices, each device on its own rows (one ``jax.shard_map``, ``unmapped`` replicated, the
+    devices, each device on its own rows (:func:`on_devices`, ``unmapped`` replicated, the
     result sharded like the rows, no collective); else directly.
 
     For the tools that evaluate ``row_fn`` row by row (``check_linear``'s reference matvec,
-    ``as_matrix``, the diagonal): inside the ``shard_map`` a row's ``x[idx]`` reads the
-    replicated ``x`` on its own device, where ``jax.vmap`` along an Explicit mesh axis refuses a
-    gather by sharded indices.
+    ``as_matrix``, the diagonal).
 
     Args:
         fn: a function of the rows and ``unmapped``.
@@ -238,66 +242,67 @@ def map_rows(fn: Callable, rows: Any, *unmapped: Any) -> Any:
     Returns:
         ``fn(rows, *unmapped)``.
     """
-    mesh_axes = row_mesh(rows)  # (None inside a device-local body)
+    mesh_axes = row_mesh(rows)
     if mesh_axes is None or mesh_axes.n_shards == 1:
         return fn(rows, *unmapped)
-    _check_even(jax.tree_util.tree_leaves(rows)[0].shape[0], mesh_axes)
-    specs = (_by_rows(rows, mesh_axes.names), _replicated(unmapped))
-    rows, unmapped = (_conform(t, p, mesh_axes) for t, p in zip((rows, unmapped), specs))
-    return _shard_rows(lambda r, u: fn(r, *u), (rows, unmapped), specs, spec_at(0, mesh_axes.names), mesh_axes)
+    return on_devices(lambda r, u: fn(r, *u), rows, unmapped, mesh_axes)
 
 
-def _replicated(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda _: P(), tree)
+def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes, *, reduce: bool = False) -> Any:
+    """``local(mapped, unmapped)`` run by each device on its own rows of ``mapped``.
+
+    The transforms' device layout (:func:`chunkop._loops.device_loop`): each leaf of ``mapped``
+    (``n`` rows, sharded along them over ``mesh_axes``) is reshaped to ``(devices, n / devices,
+    ...)`` (free: the device axis is the sharded, major one) and ``local`` runs under
+    ``jax.vmap`` over the device axis (``spmd_axis_name``: the mesh axes), so XLA's partitioner
+    gives each device its own call on its own rows; ``unmapped`` is read whole by every device.
+    No ``shard_map``: ``row_fn`` runs in the caller's mesh context. On an Explicit mesh the
+    body runs with those mesh axes automatic (``jax.sharding.auto_axes``): JAX's sharding types
+    refuse the gather of a replicated ``x`` by row-sharded indices that a ``row_fn`` makes
+    (so does ``jax.vmap`` of that ``row_fn`` there), where the partitioner places it locally.
+
+    Args:
+        local: ``local(mapped_rows, unmapped)`` on one device's rows.
+        mapped: a pytree of arrays with the rows' leading axis (resharded along it if needed).
+        unmapped: a pytree every device reads whole.
+        mesh_axes: the mesh axes the rows are sharded over (from :func:`row_mesh`).
+        reduce: sum ``local``'s outputs over the devices (one all-reduce; replicated), instead
+            of joining them along the rows (sharded like the rows).
+
+    Returns:
+        ``local``'s outputs joined along the rows, or summed over the devices.
+    """
+    shards, names = mesh_axes.n_shards, mesh_axes.names
+    _check_even(jax.tree_util.tree_leaves(mapped)[0].shape[0], mesh_axes)
+    mapped = _conform(mapped, _by_rows(mapped, names), mesh_axes)
+    split = lambda a: a.reshape((shards, a.shape[0] // shards) + a.shape[1:])
+    join = lambda a: a.reshape((shards * a.shape[1],) + a.shape[2:])
+
+    def body(m: Any, u: Any) -> Any:
+        per = jax.vmap(local, in_axes=(0, None), axis_size=shards, spmd_axis_name=names)(m, u)
+        return jax.tree_util.tree_map(lambda p: p.sum(0) if reduce else join(p), per)
+
+    with mesh_context(mesh_axes, mapped, unmapped):
+        if _explicit(mesh_axes):
+            body = jax.sharding.auto_axes(body, axes=names, out_sharding=P() if reduce else spec_at(0, names))
+        return body(jax.tree_util.tree_map(split, mapped), unmapped)
 
 
 def _by_rows(tree: Any, names: tuple) -> Any:
     return jax.tree_util.tree_map(lambda _: spec_at(0, names), tree)
 
 
-def _shard_rows(local: Callable, operands: tuple, in_specs: tuple, out_specs: Any, mesh_axes: MeshAxes) -> Any:
-    """``jax.shard_map`` of ``local(*operands)`` over the rows' mesh axes, traced as a
-    device-local body (the transforms it calls chunk that device's rows, no further dispatch)."""
-
-    def body(*ops: Any) -> Any:
-        with _inside_local():
-            return local(*ops)
-
-    # check_vma=False: the chunk loops' carries start from (unvarying) zeros, which the
-    # varying-manual-axes type check rejects; values and derivatives are checked by the tests.
-    return jax.shard_map(
-        body,
-        mesh=mesh_axes.mesh,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        axis_names=set(mesh_axes.names),
-        check_vma=False,
-    )(*operands)
-
-
-def _in_specs(consts: Any, rows: Any, vector: Any, names: tuple, transpose: bool) -> tuple:
-    """The ``shard_map`` specs of a row-sharded kernel's operands: ``consts`` replicated, ``rows``
-    split along the row axis, the vector replicated (``x``) or split like the rows (``y``)."""
-    return _replicated(consts), _by_rows(rows, names), _by_rows(vector, names) if transpose else _replicated(vector)
-
-
 @functools.partial(jax.jit, static_argnames=("kernel", "spec", "mesh_axes", "transpose"))
 def _sharded_program(
     consts: Any, rows: Any, vector: Any, *, kernel: Callable, spec: Any, mesh_axes: MeshAxes, transpose: bool
 ) -> Any:
-    """The ``shard_map`` of :func:`sharded_apply`, jitted on its static description (the
-    kernel, the operator's ``spec``, the mesh, the direction): an eager call compiles once per
-    operator description and input types, not per call (before: 5-7 compiles, 1-2 s per call
-    on 4 CPU devices). The arrays (``consts``, ``rows``, ``vector``) are arguments, never
-    baked in."""
-    names = mesh_axes.names
-
-    def local(c: Any, r: Any, v: Any) -> Any:
-        out = kernel(spec, c, r, v)
-        return jax.tree_util.tree_map(lambda p: jax.lax.psum(p, names), out) if transpose else out
-
-    specs = _in_specs(consts, rows, vector, names, transpose)
-    return _shard_rows(local, (consts, rows, vector), specs, P() if transpose else spec_at(0, names), mesh_axes)
+    """:func:`sharded_apply`'s program, jitted on its static description (the kernel, the
+    operator's ``spec``, the mesh, the direction), so that an eager call compiles once per
+    operator description and input types. The arrays are arguments, never baked in."""
+    if transpose:
+        local = lambda m, c: kernel(spec, c, m[0], m[1])
+        return on_devices(local, (rows, vector), consts, mesh_axes, reduce=True)
+    return on_devices(lambda r, u: kernel(spec, u[0], r, u[1]), rows, (consts, vector), mesh_axes)
 
 
 register_cache(_sharded_program.clear_cache)
