@@ -23,11 +23,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._cache import register_cache
 from .._sharding import MeshAxes, _conform, _explicit, mapped_mesh_axes, mesh_context, spec_at
+from .._tree import is_float
 
 __all__ = [
     "row_mesh",
@@ -279,7 +281,13 @@ def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes,
     join = lambda a: a.reshape((shards * a.shape[1],) + a.shape[2:])
 
     def body(m: Any, u: Any) -> Any:
-        per = jax.vmap(local, in_axes=(0, None), axis_size=shards, spmd_axis_name=names)(m, u)
+        # the unmapped float leaves enter broadcast over the device axis (each device holds its
+        # one copy, as replicated): their cotangents then sum on each device, in its own chunk
+        # loop, with one all-reduce at the end, not one per chunk of the loop's transpose
+        spread = lambda v: jnp.broadcast_to(v, (shards, *jnp.shape(v))) if is_float(v) else v
+        u_axes = jax.tree_util.tree_map(lambda v: 0 if is_float(v) else None, u)
+        u = jax.tree_util.tree_map(spread, u)
+        per = jax.vmap(local, in_axes=(0, u_axes), axis_size=shards, spmd_axis_name=names)(m, u)
         return jax.tree_util.tree_map(lambda p: p.sum(0) if reduce else join(p), per)
 
     with mesh_context(mesh_axes, mapped, unmapped):
