@@ -359,6 +359,8 @@ def _depth_params():
 
 @pytest.mark.parametrize(("where", "chunk", "body", "mode"), _depth_params())
 def test_inner_jit_at_depth_compiles_once(where, chunk, body, mode):
+    if body == "custom_vjp" and "checkpoint" in where and getattr(jax.config, "jax_custom_vjp3", False):
+        pytest.skip("jax_custom_vjp3: JAX cannot differentiate jax.checkpoint around a custom_vjp (jax.vmap neither)")
     act = _model.BODY[body]
     made = []
 
