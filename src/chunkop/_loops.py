@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunks, sum_chunks, widen
 from ._progress import Progress
-from ._sharding import per_dim
+from ._sharding import join_devices, per_dim, split_devices
 from ._trace import eval_traced
 
 __all__ = ["KINDS", "LoopSpec", "device_loop", "finish_sums", "make_loop", "result_dtype", "sum_dtypes"]
@@ -179,8 +179,7 @@ def device_loop(
     """
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
     local = spec.plan.size
-    split = lambda x, a: x.reshape(x.shape[:a] + (shards, local) + x.shape[a + 1 :])
-    merge = lambda y, a: y.reshape(y.shape[:a] + (shards * local,) + y.shape[a + 2 :])
+    split = lambda x, a: split_devices(x, a, shards)
     vmap = functools.partial(jax.vmap, axis_size=shards, spmd_axis_name=spmd_names)
     if kind == "stack":
         oaxes = list(spec.out_axes)
@@ -189,7 +188,7 @@ def device_loop(
         def loop(consts: list, mapped: list) -> Any:
             flat = lambda *m: jax.tree_util.tree_leaves(per_device(consts, list(m)))
             outs = vmap(flat, in_axes=list(spec.axes), out_axes=oaxes)(*map(split, mapped, spec.axes))
-            merged = [o if a is None else merge(o, a) for o, a in zip(outs, oaxes)]
+            merged = [o if a is None else join_devices(o, a) for o, a in zip(outs, oaxes)]
             return jax.tree_util.tree_unflatten(out_tree, merged)
 
         return loop

@@ -159,6 +159,17 @@ def unsplit(leaves: list, axes: list, mesh_axes: MeshAxes) -> list:
     return [unsplit_one(x, a) for x, a in zip(leaves, axes)]
 
 
+def split_devices(x: Any, axis: int, shards: int) -> Any:
+    """The device layout of ``x``: its ``axis`` (sharded over ``shards`` devices) reshaped to
+    ``(shards, size / shards)``; free, the device axis being the sharded, major one."""
+    return x.reshape(x.shape[:axis] + (shards, x.shape[axis] // shards) + x.shape[axis + 1 :])
+
+
+def join_devices(y: Any, axis: int) -> Any:
+    """:func:`split_devices` undone: ``y``'s ``(devices, per device)`` axes at ``axis`` joined."""
+    return y.reshape(y.shape[:axis] + (y.shape[axis] * y.shape[axis + 1],) + y.shape[axis + 2 :])
+
+
 def per_dim(spec: Any, ndim: int) -> tuple:
     """A ``PartitionSpec``'s entries, padded with ``None`` to one per dimension of an ``ndim``-D array.
 

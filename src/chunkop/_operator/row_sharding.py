@@ -28,7 +28,16 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._cache import register_cache
-from .._sharding import MeshAxes, _conform, _explicit, mapped_mesh_axes, mesh_context, spec_at
+from .._sharding import (
+    MeshAxes,
+    _conform,
+    _explicit,
+    join_devices,
+    mapped_mesh_axes,
+    mesh_context,
+    spec_at,
+    split_devices,
+)
 from .._tree import is_float
 
 __all__ = [
@@ -277,18 +286,17 @@ def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes,
     shards, names = mesh_axes.n_shards, mesh_axes.names
     _check_even(jax.tree_util.tree_leaves(mapped)[0].shape[0], mesh_axes)
     mapped = _conform(mapped, _by_rows(mapped, names), mesh_axes)
-    split = lambda a: a.reshape((shards, a.shape[0] // shards) + a.shape[1:])
-    join = lambda a: a.reshape((shards * a.shape[1],) + a.shape[2:])
+    split = lambda a: split_devices(a, 0, shards)
 
     def body(m: Any, u: Any) -> Any:
         # the unmapped float leaves enter broadcast over the device axis (each device holds its
         # one copy, as replicated): their cotangents then sum on each device, in its own chunk
         # loop, with one all-reduce at the end, not one per chunk of the loop's transpose
-        spread = lambda v: jnp.broadcast_to(v, (shards, *jnp.shape(v))) if is_float(v) else v
-        u_axes = jax.tree_util.tree_map(lambda v: 0 if is_float(v) else None, u)
-        u = jax.tree_util.tree_map(spread, u)
+        floats = jax.tree_util.tree_map(is_float, u)
+        u_axes = jax.tree_util.tree_map(lambda f: 0 if f else None, floats)
+        u = jax.tree_util.tree_map(lambda v, f: jnp.broadcast_to(v, (shards, *v.shape)) if f else v, u, floats)
         per = jax.vmap(local, in_axes=(0, u_axes), axis_size=shards, spmd_axis_name=names)(m, u)
-        return jax.tree_util.tree_map(lambda p: p.sum(0) if reduce else join(p), per)
+        return jax.tree_util.tree_map(lambda p: p.sum(0) if reduce else join_devices(p, 0), per)
 
     with mesh_context(mesh_axes, mapped, unmapped):
         if _explicit(mesh_axes):
