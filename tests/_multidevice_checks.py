@@ -118,6 +118,29 @@ F_TERMS = 3  # x @ w: a sum of 3 products
 # -- chunkop.vmap / map ------------------------------------------------------------------------
 
 
+@check
+def auto_plan_keyed_by_the_arguments_sharding():
+    """A plan is made per argument types, sharding included: the same function planned on a
+    plain and on an Explicit-sharded weight (the program compiles to a quarter of the
+    activations per device) gets two plans, each measured on its own program, and the sharded
+    call gives jax.vmap's values."""
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.normal(size=(64, 512)), jnp.float32)
+    xs = jnp.asarray(rng.normal(size=(256, 64)), jnp.float32)
+    g = chunkop.vmap(lambda w, x: jnp.tanh(x @ w), (None, 0), chunk_size="auto", memory_budget=2**18)
+    plain = chunkop.plan(g, w, xs)
+    with jax.set_mesh(mesh):
+        ws = jax.device_put(w, NamedSharding(mesh, P(None, "d")))
+        sharded = chunkop.plan(g, ws, xs)
+        out = g(ws, xs)
+    assert plain.chunk is not None and plain.compiled_bytes is not None, plain
+    assert sharded is not plain and sharded.compiled_bytes is not None, (plain, sharded)
+    # a quarter of the activations per device: a larger chunk (None: the whole axis) or less memory
+    assert (sharded.chunk or 256) > plain.chunk or sharded.compiled_bytes < plain.compiled_bytes, (plain, sharded)
+    close(out, jax.vmap(lambda w, x: jnp.tanh(x @ w), (None, 0))(w, xs), 64)
+
+
 def _vmap_values(kind):
     mesh = mesh_of(kind)
     w, xs = data()

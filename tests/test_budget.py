@@ -390,3 +390,22 @@ def test_cpu_default_auto_plan_does_not_count_unmapped_work_per_element(monkeypa
     f = chunkop.vmap(lambda x: jnp.tanh((w @ w)[:16, :16] @ x), chunk_size="auto")
     plan = chunkop.plan(f, jnp.ones((65536, 16)))
     assert plan.compiled_bytes is None and (plan.chunk is None or plan.chunk >= 4096), plan
+
+
+def test_program_not_differentiable_is_measured_forward_only():
+    """A program JAX cannot differentiate (a while loop with a traced trip count) is planned on
+    its forward program: the derivative's trace fails with a typed error, not one matched by its
+    text; a program whose forward trace fails raises its own error."""
+    f = lambda x: jax.lax.fori_loop(0, x.astype(jnp.int32).sum() % 3, lambda i, v: v * 2, x)
+    x = jax.ShapeDtypeStruct((64, 8), jnp.float32)
+    with pytest.raises(_memory.NotDifferentiable, match="while_loop|differentiat"):
+        list(_memory._derivative_temps(f, [x], jax.eval_shape(f, x), "grad"))
+    assert _memory.program_temp_bytes(f, [x], "grad") == _memory.program_temp_bytes(f, [x], "forward")
+    with pytest.raises(_memory.NotDifferentiable):  # a caller that measures another way instead
+        _memory.program_temp_bytes(f, [x], "grad", forward_only_ok=False)
+
+    def broken(x):
+        raise RuntimeError("fun's own error")
+
+    with pytest.raises(RuntimeError, match="fun's own error"):
+        _memory.program_temp_bytes(broken, [x], "grad")

@@ -17,6 +17,7 @@ from _device_checks import defined_checks, run_script
 SCRIPT = Path(__file__).with_name("_multidevice_checks.py")
 NAMES = [
     "vmap_values_explicit",
+    "auto_plan_keyed_by_the_arguments_sharding",
     "vmap_values_auto",
     "vmap_chunks_each_local_shard",
     "sharded_temp_memory_bounded_by_the_chunk",

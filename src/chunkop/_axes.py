@@ -93,11 +93,7 @@ def check_remat(remat: Any, where: str = "chunkop") -> Any:
             f"{where}: `remat`={remat!r} is not a usable checkpoint policy: calling it as "
             f"policy(primitive, *avals, **params) raised {type(e).__name__}: {e}"
         ) from None
-    if not isinstance(answer, (bool, np.bool_)) and type(answer).__name__ not in (
-        "Saveable",
-        "Recompute",
-        "Offloadable",
-    ):
+    if not isinstance(answer, (bool, np.bool_)) and not _jaxpr.is_checkpoint_answer(answer):
         raise TypeError(
             f"{where}: `remat`={remat!r} is not a checkpoint policy: policy(primitive, *avals) "
             f"returned {answer!r}, expected a bool."

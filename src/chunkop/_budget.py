@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from . import _estimate
+from . import _estimate, _jaxpr
 from ._axes import check_chunk_size
 from ._cache import cached_plan
 from ._fingerprint import Uncacheable, setting_key
@@ -136,7 +136,7 @@ def transform_depth(leaves: Sequence[Any]) -> int:
     depth = 0
     for x in leaves:
         d = 0
-        while type(x).__name__ in ("JVPTracer", "LinearizeTracer"):
+        while _jaxpr.is_forward_tracer(x):
             d += 1
             x = getattr(x, "primal", None)
         depth = max(depth, d)
@@ -202,19 +202,17 @@ def _tracer_levels(x: Any) -> tuple[Any, list[tuple[Any, int | None]], list[Any]
     levels: list[tuple[Any, int | None]] = []
     tangent_traces: list[Any] = []
     for _ in range(64):
-        kind = type(x).__name__
-        if kind == "BatchTracer":
+        if _jaxpr.is_batch_tracer(x):
             bd = x.batch_dim
             levels.append((x._trace, bd if isinstance(bd, int) else None))
             x = x.val
-        elif kind in ("JVPTracer", "LinearizeTracer"):
+        elif _jaxpr.is_forward_tracer(x):
             t = getattr(x, "tangent", None)
             for _ in range(64):
-                kind_t = type(t).__name__
-                if kind_t == "BatchTracer":
+                if _jaxpr.is_batch_tracer(t):
                     tangent_traces.append(t._trace)
                     t = t.val
-                elif kind_t in ("JVPTracer", "LinearizeTracer"):
+                elif _jaxpr.is_forward_tracer(t):
                     t = getattr(t, "primal", None)
                 else:
                     break
@@ -328,8 +326,8 @@ def plan_program(
         n: the size of the chunked axis (one device's shard of it when sharded).
         memory_budget: the budget in bytes, or None for :func:`chunkop._memory.default_budget`.
         mode: the transforms to plan for (:data:`MODES`).
-        key: what the programs depend on besides the leaves' shapes, ``n``, the budget, mode,
-            cap and backend (e.g. the traced jaxpr's key); None: the plan is not cached.
+        key: what the programs depend on besides the leaves' shapes, dtypes and (Explicit)
+            shardings, ``n``, the budget, mode, cap and backend (e.g. the traced jaxpr's key); None: the plan is not cached.
         element_bytes: the estimated bytes of one element (:mod:`chunkop._estimate`), or None.
         fixed_bytes: the estimated fixed work of a chunk (:func:`chunkop._estimate.fixed_bytes`).
         batch_like: positions of plain leaves batched like the rest under enclosing vmaps.
@@ -357,9 +355,10 @@ def plan_program(
     def measure(fn: Callable, at: Sequence[int]) -> int:
         if batch.sizes:
             try:
-                whole = program_temp_bytes(batch.wrap(fn, at), [batch.structs[i] for i in at], mode)
+                structs = [batch.structs[i] for i in at]
+                whole = program_temp_bytes(batch.wrap(fn, at), structs, mode, forward_only_ok=False)
                 return -(-whole // batch.measured)  # per example of the batch, rounded up
-            except Exception:  # noqa: BLE001  (a program JAX cannot batch here: measured per example)
+            except Exception:  # noqa: BLE001  (a program, or its derivative, JAX cannot batch here: per example)
                 pass
         return program_temp_bytes(fn, [leaves[i] for i in at], mode)
 
@@ -369,7 +368,8 @@ def plan_program(
 
     if key is None:
         return compute()
-    avals = tuple((tuple(jax.typeof(x).shape), str(jax.typeof(x).dtype)) for x in leaves)
+    # the leaves as the probes are compiled on them: shapes, dtypes and (Explicit) shardings
+    avals = tuple((tuple(s.shape), str(s.dtype), s.sharding) for s in (_struct(x, typed=True) for x in leaves))
     full_key = (key, avals, batch.key(), n, budget, mode, cap, jax.default_backend())
     return cached_plan(full_key, compute)
 

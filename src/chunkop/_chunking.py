@@ -308,8 +308,16 @@ def _remainder(
     return rematerialise(apply, remat, recompute)([x[cut:] for x in mapped])
 
 
+def _unmapped_widened(chunk_fn: Callable, unmapped: Any) -> Callable[[list, int], Any]:
+    """``chunk_fn(chunk, unmapped, m)`` as ``(chunk, m) -> ...``: ``unmapped`` enters the loop
+    :func:`widen`-ed (here, outside it) and each chunk narrows its copy back (inside), so
+    reverse mode sums its cotangents over the chunks in the wide dtype."""
+    wide = widen(unmapped)
+    return lambda chunk, m: chunk_fn(chunk, narrow(wide, unmapped), m)
+
+
 def stack_chunks(
-    chunk_fn: Callable[[list, int], tuple[list, list]],
+    chunk_fn: Callable[[list, Any, int], tuple[list, list]],
     mapped: Sequence[jax.Array],
     plan: ChunkPlan,
     remat: Remat,
@@ -318,13 +326,14 @@ def stack_chunks(
     recompute_custom_vjp: bool = False,
     axes: Sequence[int] | None = None,
     by_index: bool = False,
+    unmapped: Any = (),
 ) -> tuple[list, list]:
     """Run ``chunk_fn`` over every chunk of the mapped arrays (leading axis ``plan.size``).
 
     Args:
-        chunk_fn: ``chunk_fn(chunk_arrays, m) -> (ys, zs)`` for a chunk of ``m`` elements. ``ys``
-            are stacked over chunks; ``zs`` (values that do not vary over the axis) are carried,
-            the last one wins.
+        chunk_fn: ``chunk_fn(chunk_arrays, unmapped, m) -> (ys, zs)`` for a chunk of ``m``
+            elements. ``ys`` are stacked over chunks; ``zs`` (values that do not vary over the
+            axis) are carried, the last one wins.
         mapped: arrays whose leading axis is the mapped axis.
         plan: the chunk plan.
         remat: whether (or with which policy) to rematerialise each chunk.
@@ -333,11 +342,15 @@ def stack_chunks(
         recompute_custom_vjp: see :func:`rematerialise`.
         axes: where each of ``chunk_fn``'s ``ys`` has its chunk axis (default: 0 for all).
         by_index: see :func:`_full_chunks`.
+        unmapped: a pytree every chunk reads whole (constants, parameters): it enters the loop
+            :func:`widen`-ed and reaches ``chunk_fn`` narrowed back to its own dtypes, so
+            reverse mode sums its cotangents over chunks in at least float32.
 
     Returns:
         ``(ys, zs)``: every ``ys`` leaf stacked over the whole axis (``plan.size`` long, at its
         position in ``axes``): the full chunks' outputs joined, then the remainder's.
     """
+    chunk_fn = _unmapped_widened(chunk_fn, unmapped)
     if plan.n_full == 1 and not plan.rem:  # one chunk (an "auto" plan that fits): no loop, no report
         ys, zs = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
         return list(ys), list(zs)
@@ -370,7 +383,7 @@ def _join(ys_full: list, ys_rem: list | None, plan: ChunkPlan, axes: list) -> li
 
 
 def sum_chunks(
-    chunk_fn: Callable[[list, int], Any],
+    chunk_fn: Callable[[list, Any, int], Any],
     mapped: Sequence[jax.Array],
     plan: ChunkPlan,
     remat: Remat,
@@ -378,17 +391,22 @@ def sum_chunks(
     progress: Progress = None,
     recompute_custom_vjp: bool = False,
     by_index: bool = False,
+    unmapped: Any = (),
 ) -> Any:
-    """Accumulate ``init + sum over chunks of chunk_fn(chunk_arrays, m)`` (a pytree of arrays).
+    """``init + sum over chunks of chunk_fn(chunk_arrays, unmapped, m)`` (a pytree like ``init``).
 
-    Only the running sum is carried, so neither the forward pass nor (with ``remat``) the
-    backward pass holds per-element outputs. ``recompute_custom_vjp``: see :func:`rematerialise`;
-    ``by_index``: see :func:`_full_chunks`.
+    The running sum is carried in the :func:`widen`-ed dtypes of ``init`` (each chunk's sum
+    widened into it) and returned in ``init``'s dtypes; only it is carried, so neither the
+    forward pass nor (with ``remat``) the backward pass holds per-element outputs.
+    ``recompute_custom_vjp``: see :func:`rematerialise`; ``by_index``: see
+    :func:`_full_chunks`; ``unmapped``: as for :func:`stack_chunks`.
     """
+    like, init = init, widen(init)
+    per_chunk = _unmapped_widened(chunk_fn, unmapped)
+    chunk_fn = lambda chunk, m: widen(per_chunk(chunk, m))
     if plan.n_full == 1 and not plan.rem:  # one chunk: no loop, no report
-        return jax.tree_util.tree_map(
-            jnp.add, init, rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
-        )
+        one = rematerialise(lambda c: chunk_fn(c, plan.chunk), remat, recompute_custom_vjp)(list(mapped))
+        return narrow(jax.tree_util.tree_map(jnp.add, init, one), like)
     xs, full_fn = _full_chunks(chunk_fn, mapped, plan, remat, recompute_custom_vjp, by_index)
     hook = progress_hook(plan, progress)
     xs, full_fn = hook.scan(xs, full_fn)
@@ -400,4 +418,4 @@ def sum_chunks(
     if plan.rem:
         rest = _remainder(chunk_fn, mapped, plan, remat, recompute_custom_vjp)
         acc = jax.tree_util.tree_map(jnp.add, acc, hook.remainder(rest))
-    return acc
+    return narrow(acc, like)

@@ -15,7 +15,7 @@ compared with compiled temp memory in ``tests/test_budget.py``. A jaxpr with a `
 (unknown trip count) has no estimate: the plan is then measured as usual.
 
 The same walk gives the other side of a chunk's cost, :func:`fixed_bytes`: the work every chunk
-does whatever its size (a buffer the size of an unmapped operand for each use after the first:
+does whatever its size (passes over a buffer the size of an unmapped operand for each use after the first:
 the cotangents of a constant under ``jax.grad``, the ``x`` space a ``RowOperator``'s transpose
 scatters into; and the values computed from the constants alone). :func:`chunkop._search.overhead_floor` turns the
 two into the smallest chunk that amortises it.
@@ -30,11 +30,17 @@ import numpy as np
 
 from . import _jaxpr
 
-__all__ = ["MARGIN", "element_bytes", "fixed_bytes"]
+__all__ = ["COTANGENT_PASSES", "MARGIN", "element_bytes", "fixed_bytes"]
 
 #: The estimate is used only when the memory budget is at least this many times the CPU cap:
 #: an estimate off by less than this factor still fits the budget.
 MARGIN = 64
+
+#: Passes over an unmapped operand's bytes that each of its uses after the first costs a chunk
+#: under a derivative or transpose: XLA fills a buffer of zeros, copies it into the scatter (or
+#: cotangent) that writes it, and adds the result into the loop's carry (read in the compiled
+#: loop body of a ``RowOperator``'s transpose: ``benchmarks/RESULTS.md``).
+COTANGENT_PASSES = 3
 
 
 def _bytes(aval: Any) -> int:
@@ -124,13 +130,14 @@ def fixed_bytes(jaxpr: Any, n_inputs: int | None = None, *, operands: Any = ()) 
     """The estimated bytes of work every chunk does whatever its size (the per-chunk overhead).
 
     Two parts. Each variable in ``operands`` (unmapped arrays: constants, or a ``RowOperator``'s
-    ``x``), counted once per per-element equation that reads it *after the first*: under a
-    derivative or a transpose each use makes a cotangent of the operand's size per chunk, and
-    all but one of them are separate buffers summed into the loop's carry (the first updates it
-    in place: on XLA:CPU, a ``RowOperator`` whose row reads ``x`` once scatters each
-    chunk into the carry; one that reads it at the four corners of a bilinear interpolation
-    fills three more images per chunk and adds them). And the values computed without the first
-    ``n_inputs`` inputs (the mapped ones), which every chunk recomputes.
+    ``x``), counted :data:`COTANGENT_PASSES` times per per-element equation that reads it
+    *after the first*: under a derivative or a transpose each use makes a cotangent of the
+    operand's size per chunk, and all but one of them are separate buffers, zeroed, written and
+    summed into the loop's carry (the first updates it in place: on XLA:CPU, a ``RowOperator``
+    whose row reads ``x`` once scatters each chunk into the carry; one that reads it at the four
+    corners of a bilinear interpolation may fill more images per chunk and add them). And the
+    values computed without the first ``n_inputs`` inputs (the mapped ones), which every chunk
+    recomputes.
 
     Args:
         jaxpr: ``fun`` (or ``row_fn``) traced on one example.
@@ -146,10 +153,11 @@ def fixed_bytes(jaxpr: Any, n_inputs: int | None = None, *, operands: Any = ()) 
         >>> from chunkop._estimate import fixed_bytes
         >>> f = lambda x, w: jnp.tanh(w @ x) + jnp.tanh(x @ w)  # w (16 KiB), read twice
         >>> closed = jax.make_jaxpr(f)(jnp.zeros(64), jnp.zeros((64, 64)))
-        >>> fixed_bytes(closed.jaxpr, 1, operands=closed.jaxpr.invars[1:])
-        16384
+        >>> fixed_bytes(closed.jaxpr, 1, operands=closed.jaxpr.invars[1:])  # one extra use: 3 passes
+        49152
     """
     mapped = set(jaxpr.invars[:n_inputs])
     watched = {v for v in operands if not isinstance(v, _jaxpr.Literal) and _inexact(v.aval)}
-    per_use = sum(_bytes(v.aval) * max(0, _uses(jaxpr, {v}, mapped) - 1) for v in watched)
+    extra = sum(_bytes(v.aval) * max(0, _uses(jaxpr, {v}, mapped) - 1) for v in watched)
+    per_use = COTANGENT_PASSES * extra
     return per_use + _independent_bytes(jaxpr, mapped)

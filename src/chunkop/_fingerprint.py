@@ -37,7 +37,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import linear_util as _lu  # WrappedFun: how JAX holds custom rules in a jaxpr
 
 from . import _jaxpr
 
@@ -111,11 +110,11 @@ def _is_simple(value: Any) -> bool:
 
 def _is_function_like(value: Any) -> bool:
     """A callable (not a class), or JAX's ``WrappedFun`` (which holds one but is not callable)."""
-    return isinstance(value, _lu.WrappedFun) or (callable(value) and not isinstance(value, type))
+    return isinstance(value, _jaxpr.WrappedFun) or (callable(value) and not isinstance(value, type))
 
 
 def _is_jax_internal(fn: types.FunctionType) -> bool:
-    return (getattr(fn, "__module__", None) or "").startswith(("jax._src", "jax.", "jaxlib"))
+    return _jaxpr.defined_in_jax(getattr(fn, "__module__", None), jaxlib=True)
 
 
 def _cells(fn: types.FunctionType) -> list[Any]:
@@ -137,7 +136,7 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
     """
     if depth > 24:
         raise Uncacheable("callable nested too deeply")
-    if isinstance(fn, _lu.WrappedFun):
+    if isinstance(fn, _jaxpr.WrappedFun):
         transforms = tuple(
             (callable_key(gen, depth + 1), _param_tuple_key(params, depth + 1)) for gen, params in fn.transforms
         )
@@ -174,7 +173,7 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
                     pass
             raise Uncacheable(f"{fn.__qualname__} is defined inside a function: keyed only by identity")
         return ("user", _Ident(fn), tuple(value_key(v, depth + 1) for v in _cells(fn)))
-    if (type(fn).__module__ or "").startswith(("jax._src", "jax.")):
+    if _jaxpr.defined_in_jax(type(fn).__module__):
         if dataclasses.is_dataclass(fn):
             # JAX's wrappers of a user callable (a host callback's flat wrapper ...): the fields,
             # the user's callable among them, keyed like any other (never held by the key).
@@ -222,7 +221,7 @@ def _param_tuple_key(params: Any, depth: int) -> Hashable:
     items = params if isinstance(params, tuple) else (params,)
     parts = []
     for p in items:
-        if _is_per_trace_state(p):
+        if _jaxpr.is_per_trace_store(p):
             continue
         if isinstance(p, tuple):
             parts.append(_param_tuple_key(p, depth + 1))
@@ -247,9 +246,9 @@ def value_key(value: Any, depth: int = 0) -> Hashable:
         return array_key(value)
     if _is_function_like(value):
         return callable_key(value, depth + 1)
-    if _is_jax_wrapper(value):
-        return ("wrapped-value", value_key(_unwrap(value), depth + 1))
-    if (type(value).__module__ or "").startswith(("jax._src", "jax.")):
+    if _jaxpr.is_jax_value_wrapper(value):
+        return ("wrapped-value", value_key(_jaxpr.unwrap_jax_value(value), depth + 1))
+    if _jaxpr.defined_in_jax(type(value).__module__):
         try:  # JAX's own value objects (avals, shardings ...) define value equality
             hash(value)
             return ("jax-object", type(value), value)
@@ -284,25 +283,6 @@ def array_key(value: Any) -> Hashable:
     except Exception as err:  # whatever cannot be read back cannot be keyed
         raise Uncacheable(f"cannot read {type(value).__name__} back to the host") from err
     return ("array", str(host.dtype), host.shape, host.tobytes(), getattr(value, "weak_type", None))
-
-
-def _is_jax_wrapper(value: Any) -> bool:
-    """JAX's wrappers of user values in ``WrappedFun`` parameters (``Unhashable``, ``Hashable`` ...)."""
-    return type(value).__module__.startswith("jax._src") and type(value).__name__ in (
-        "Unhashable",
-        "Hashable",
-        "HashableWrapper",
-        "_HashableByObjectId",
-    )
-
-
-def _unwrap(value: Any) -> Any:
-    return value.x if type(value).__name__ == "HashableWrapper" else value.val
-
-
-def _is_per_trace_state(value: Any) -> bool:
-    """JAX's per-trace bookkeeping in a ``WrappedFun``'s parameters (stores): not part of a key."""
-    return type(value).__name__ in ("Store", "EqualStore")
 
 
 def _aval_key(aval: Any) -> Hashable:
@@ -356,7 +336,7 @@ def _hi_prim_key(prim: Any, depth: int, rule_depth: int) -> Hashable:
         jaxpr = getattr(value, "jaxpr", None) if name == "traced" else None
         parts.append((name, _param_key(value if jaxpr is None else jaxpr, depth + 1, rule_depth)))
     # the inputs' structure, with nondiff_argnums values as Static leaves: keyed by value
-    is_static = lambda x: type(x).__name__ == "Static"
+    is_static = _jaxpr.is_static_leaf
     leaves, tree = jax.tree_util.tree_flatten(prim.in_avals, is_leaf=is_static)
     ins = tuple(("static", value_key(x.val, depth + 1)) if is_static(x) else str(x) for x in leaves)
     return ("hi_prim", type(prim).__name__, tuple(parts), str(tree), ins)
@@ -425,7 +405,7 @@ def _custom_vjp_key(eqn: Any, depth: int, rule_depth: int) -> Hashable:
     def bwd(*args: Any) -> list:
         outs = p["bwd"].call_wrapped(*args)
         # symbolic zeros (no cotangent for an input) as None: part of the traced output's tree
-        return [None if o is None or type(o).__name__ in ("Zero", "SymbolicZero") else o for o in outs]
+        return [None if o is None or _jaxpr.is_symbolic_zero(o) else o for o in outs]
 
     structs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in [*res_avals, *ct_avals]]
     bwd_closed = _trace_rule(lambda: jax.make_jaxpr(bwd)(*structs))

@@ -1,8 +1,12 @@
-"""The jaxpr types chunkop reads (from ``jax.extend.core`` where this JAX version exports them),
-the two walks over a jaxpr that every module shares (:func:`find_eqn`, equations at any depth;
+"""What chunkop reads of JAX's internals, in one module: no other module imports ``jax._src`` or
+tests the name of one of JAX's classes (``tests/test_design.py`` checks it).
+
+The jaxpr types (from ``jax.extend.core`` where this JAX version exports them), the two walks
+over a jaxpr that every module shares (:func:`find_eqn`, equations at any depth;
 :func:`dependent_eqns`, data dependencies), the one test for a ``jax.custom_vjp`` call
-(:func:`is_custom_vjp`), and the context an equation is re-bound in when a jaxpr is evaluated
-(:func:`eqn_context`).
+(:func:`is_custom_vjp`), the context an equation is re-bound in when a jaxpr is evaluated
+(:func:`eqn_context`), and the tests of JAX's own objects that have no public form (tracers by
+transform, symbolic zeros, wrapped functions, unspecified shardings ...).
 
 ``jax.extend.core`` exports ``DropVar`` and ``jaxprs_in_params`` only in recent versions;
 older ones (jax 0.9-0.10.0, the floor in ``pyproject.toml`` is 0.10.0) keep them in
@@ -17,16 +21,37 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import config as _config  # the eager constant folding switch: no public form
 from jax._src import hijax as _hijax  # the custom rules' primitive classes: no public form
+from jax._src import linear_util as _lu  # WrappedFun: how JAX holds custom rules in a jaxpr
 from jax._src import source_info_util as _source_info  # no public form of eval_jaxpr's per-equation context
 from jax._src.interpreters import batching as _batching  # vmappable types: no public registry
 from jax.extend import core as _ext
 
+try:  # where a host callback's op sharding is set (per device inside shard_map): no public form
+    from jax._src.callback import _callback_op_sharding as callback_op_sharding
+except ImportError:  # pragma: no cover  (another JAX: the caller falls back on jax.pure_callback)
+    callback_op_sharding = None
+
 __all__ = [
     "ClosedJaxpr",
     "DropVar",
+    "WrappedFun",
+    "callback_op_sharding",
+    "eager_constant_folding",
+    "is_batch_tracer",
+    "is_checkpoint_answer",
+    "is_forward_tracer",
+    "is_jax_value_wrapper",
+    "is_per_trace_store",
+    "is_static_leaf",
+    "is_symbolic_zero",
+    "is_undefined_primal",
+    "is_unspecified_sharding",
+    "unwrap_jax_value",
     "Jaxpr",
     "Literal",
+    "defined_in_jax",
     "dependent_eqns",
     "eqn_context",
     "find_eqn",
@@ -222,3 +247,75 @@ def eqn_context(eqn: Any) -> Iterator[None]:
     name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
     with _source_info.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         yield
+
+
+# -- JAX's own objects, recognised where JAX offers no public test ------------------------------
+
+WrappedFun = _lu.WrappedFun
+
+
+def defined_in_jax(module: str | None, jaxlib: bool = False) -> bool:
+    """Whether a module name (a function's or a type's ``__module__``) is JAX's (or jaxlib's)."""
+    return (module or "").startswith(("jax._src", "jax.", "jaxlib") if jaxlib else ("jax._src", "jax."))
+
+
+def is_forward_tracer(x: Any) -> bool:
+    """A tracer of a forward-mode transform (``jax.jvp``, ``jax.linearize``; ``jax.grad`` uses one)."""
+    return type(x).__name__ in ("JVPTracer", "LinearizeTracer")
+
+
+def is_batch_tracer(x: Any) -> bool:
+    """A tracer of ``jax.vmap`` (its value ``.val``, batch dimension ``.batch_dim``, trace ``._trace``)."""
+    return type(x).__name__ == "BatchTracer"
+
+
+def is_symbolic_zero(x: Any) -> bool:
+    """A symbolic zero tangent or cotangent (``ad.Zero``, ``custom_derivatives.SymbolicZero``)."""
+    return type(x).__name__ in ("Zero", "SymbolicZero")
+
+
+def is_undefined_primal(x: Any) -> bool:
+    """A linear input of a transpose rule (``ad.UndefinedPrimal``: its ``aval`` only)."""
+    return type(x).__name__ == "UndefinedPrimal"
+
+
+def is_unspecified_sharding(sharding: Any) -> bool:
+    """No sharding given (None, or JAX's ``UnspecifiedValue`` in a jit equation's parameters)."""
+    return sharding is None or type(sharding).__name__ == "UnspecifiedValue"
+
+
+def is_static_leaf(x: Any) -> bool:
+    """A ``nondiff_argnums`` value among a custom rule's input avals (JAX's ``Static``)."""
+    return type(x).__name__ == "Static"
+
+
+def is_jax_value_wrapper(value: Any) -> bool:
+    """JAX's wrappers of user values in ``WrappedFun`` parameters (``Unhashable``, ``Hashable`` ...)."""
+    return type(value).__module__.startswith("jax._src") and type(value).__name__ in (
+        "Unhashable",
+        "Hashable",
+        "HashableWrapper",
+        "_HashableByObjectId",
+    )
+
+
+def unwrap_jax_value(value: Any) -> Any:
+    """The user value a :func:`is_jax_value_wrapper` object wraps."""
+    return value.x if type(value).__name__ == "HashableWrapper" else value.val
+
+
+def is_per_trace_store(value: Any) -> bool:
+    """JAX's per-trace bookkeeping in a ``WrappedFun``'s parameters (stores)."""
+    return type(value).__name__ in ("Store", "EqualStore")
+
+
+def is_checkpoint_answer(value: Any) -> bool:
+    """An answer of a ``jax.checkpoint`` policy besides a bool (``Saveable``, ``Recompute``, ``Offloadable``)."""
+    return type(value).__name__ in ("Saveable", "Recompute", "Offloadable")
+
+
+def eager_constant_folding(enabled: bool) -> Any:
+    """JAX's switch that computes operations on concrete values while tracing (a context
+    manager), on when ``enabled``; a null context where this JAX has no such switch."""
+    state = getattr(_config, "eager_constant_folding", None)
+    return state(True) if state is not None and enabled else contextlib.nullcontext()

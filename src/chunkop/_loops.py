@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._chunking import ChunkPlan, Remat, accumulation_dtype, narrow, stack_chunks, sum_chunks, widen
+from ._chunking import ChunkPlan, Remat, accumulation_dtype, stack_chunks, sum_chunks
 from ._progress import Progress
 from ._sharding import join_devices, per_dim, split_devices
 from ._trace import eval_traced
@@ -62,12 +62,11 @@ def finish_sums(totals: list, kind: str, size: int, final: list) -> list:
     return [t.astype(d) for t, d in zip(totals, final)]
 
 
-def _chunk_vmap(jaxpr: Any, spec: LoopSpec, wide: list, consts: list, out_axes: Any, m: int) -> Callable:
-    """One chunk of ``m`` examples: ``jax.vmap`` of the traced jaxpr (constants unmapped, given
-    widened as ``wide`` and narrowed back to the dtypes of ``consts``)."""
+def _chunk_vmap(jaxpr: Any, spec: LoopSpec, consts: list, out_axes: Any, m: int) -> Callable:
+    """One chunk of ``m`` examples: ``jax.vmap`` of the traced jaxpr (constants unmapped)."""
 
     def one(*example: Any) -> tuple:
-        return tuple(eval_traced(jaxpr, narrow(wide, consts), *example))
+        return tuple(eval_traced(jaxpr, consts, *example))
 
     return jax.vmap(one, in_axes=0, out_axes=out_axes, axis_size=m, spmd_axis_name=spec.spmd_axis_name)
 
@@ -83,10 +82,8 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
     carried = [k for k, a in enumerate(oaxes) if a is None]
 
     def loop(consts: list, mapped: list) -> Any:
-        wide = widen(consts)
-
-        def chunk_fn(chunk: list, m: int) -> tuple[list, list]:
-            outs = _chunk_vmap(jaxpr, spec, wide, consts, tuple(oaxes), m)(*chunk)
+        def chunk_fn(chunk: list, consts: list, m: int) -> tuple[list, list]:
+            outs = _chunk_vmap(jaxpr, spec, consts, tuple(oaxes), m)(*chunk)
             return [outs[k] for k in stacked], [outs[k] for k in carried]
 
         ys, zs = stack_chunks(
@@ -99,6 +96,7 @@ def _stack_loop(jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, 
             recompute_custom_vjp=True,
             axes=[oaxes[k] for k in stacked],
             by_index=spec.devices > 1,
+            unmapped=consts,
         )
         result: list[Any] = [None] * len(out_leaves)
         for j, k in enumerate(stacked):
@@ -132,10 +130,8 @@ def _accumulation(jaxpr: Any, spec: LoopSpec, acc: list) -> Callable[[list, list
     """``(consts, mapped, init) -> init + the chunk sums`` (flat, in the accumulation dtypes ``acc``)."""
 
     def accumulate(consts: list, mapped: list, init: list) -> list:
-        wide = widen(consts)
-
-        def chunk_fn(chunk: list, m: int) -> list:
-            outs = _chunk_vmap(jaxpr, spec, wide, consts, 0, m)(*chunk)
+        def chunk_fn(chunk: list, consts: list, m: int) -> list:
+            outs = _chunk_vmap(jaxpr, spec, consts, 0, m)(*chunk)
             return [jnp.sum(o, axis=0, dtype=d) for o, d in zip(outs, acc)]
 
         return sum_chunks(
@@ -147,6 +143,7 @@ def _accumulation(jaxpr: Any, spec: LoopSpec, acc: list) -> Callable[[list, list
             spec.progress,
             recompute_custom_vjp=True,
             by_index=spec.devices > 1,
+            unmapped=consts,
         )
 
     return accumulate

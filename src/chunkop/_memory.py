@@ -73,15 +73,30 @@ def check_mode(mode: Any, where: str = "chunkop") -> str:
 _PROBE_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0}}
 
 
-def _compiled_temp(fn: Callable, *structs: Any) -> int:
-    """The temp bytes XLA reports for ``jax.jit(fn)`` compiled on ``structs`` (probe options)."""
-    lowered = jax.jit(fn).lower(*structs)
+class NotDifferentiable(Exception):
+    """A derivative program that JAX cannot trace, of a program whose forward pass it traced."""
+
+
+def _compiled_temp(fn: Callable, *structs: Any, derivative: bool = False) -> int:
+    """The temp bytes XLA reports for ``jax.jit(fn)`` compiled on ``structs`` (probe options).
+
+    With ``derivative`` (``fn`` differentiates a program already traced forward), a failure to
+    trace ``fn`` is that program's: raised as :class:`NotDifferentiable`. A failure to lower or
+    compile is raised as it is, either way.
+    """
+    try:
+        traced = jax.jit(fn).trace(*structs)
+    except Exception as err:
+        if derivative:
+            raise NotDifferentiable(f"{type(err).__name__}: {err}") from err
+        raise
+    lowered = traced.lower()
     options = _PROBE_OPTIONS.get(jax.default_backend())
     compiled = lowered.compile(options) if options else lowered.compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") -> int:
+def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad", *, forward_only_ok: bool = True) -> int:
     """Compiled temp memory of ``fn(*leaves)`` under ``mode``'s transforms (the worst of them).
 
     ``leaves`` may be arrays, tracers or ``jax.ShapeDtypeStruct``: only shapes and dtypes are
@@ -93,13 +108,17 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
       forward outputs would count them as temp: they are copied out of the loop there);
     - ``"hvp"``: also the forward-over-reverse Hessian-vector product of ``<fn(x), 1>``.
 
-    A program JAX cannot differentiate (a while loop with a traced trip count, ...) can only be
-    run forward: its derivatives are skipped.
+    A program JAX cannot differentiate (a while loop with a traced trip count, ...: tracing a
+    derivative program fails, :class:`NotDifferentiable`) can only be run forward: its
+    derivatives are skipped. Errors in lowering or compiling are raised.
 
     Args:
         fn: a function of ``len(leaves)`` positional arrays returning a pytree of arrays.
         leaves: example arguments (only their shapes/dtypes matter).
         mode: one of ``"forward"``, ``"grad"``, ``"hvp"``.
+        forward_only_ok: False: a derivative program that cannot be traced raises
+            :class:`NotDifferentiable` instead of being skipped (a caller with another way to
+            measure, e.g. per example instead of under an enclosing batch).
 
     Returns:
         The largest ``temp_size_in_bytes`` among the compiled programs.
@@ -122,11 +141,11 @@ def program_temp_bytes(fn: Callable, leaves: Sequence[Any], mode: str = "grad") 
     try:
         for temp in _derivative_temps(fn, structs, out, mode):
             worst = max(worst, temp)
-    except (ValueError, TypeError, NotImplementedError) as err:
-        # not differentiable: its forward program (and the derivatives measured before the
-        # failing one) is what there is to plan for
-        if "differentiat" not in str(err) and "transpose" not in str(err).lower():
+    except NotDifferentiable:
+        if not forward_only_ok:
             raise
+        # its forward program (and the derivatives measured before the failing one) is what
+        # there is to plan for
     return worst
 
 
@@ -160,15 +179,15 @@ def _derivative_temps(fn: Callable, structs: list, out: Any, mode: str) -> Itera
         # typed as the outputs are (on an Explicit mesh an output may be sharded, by a value
         # the program closes over, though the probe's arguments are plain)
         cts = jax.tree_util.tree_map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding), out)
-        yield _compiled_temp(vjp_program, dstructs, rest, cts)
+        yield _compiled_temp(vjp_program, dstructs, rest, cts, derivative=True)
     else:
-        yield _compiled_temp(lambda d, r: jax.grad(loss)(d, r), dstructs, rest)
+        yield _compiled_temp(lambda d, r: jax.grad(loss)(d, r), dstructs, rest, derivative=True)
     if mode == "hvp":
 
         def hvp(d: list, r: list, t: list) -> Any:
             return jax.jvp(lambda dd: jax.grad(loss)(dd, r), (d,), (t,))[1]
 
-        yield _compiled_temp(hvp, dstructs, rest, dstructs)
+        yield _compiled_temp(hvp, dstructs, rest, dstructs, derivative=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
+from . import _jaxpr
 from ._tree import has_shape
 from ._tree import is_float as _is_float
 
@@ -353,10 +354,7 @@ def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
 # (``mlir.emit_python_callback``, what ``pure_callback`` lowers to), placed the same way
 # (``_callback_op_sharding``: per device inside ``shard_map``). Pure (no side effect for XLA), so
 # it goes when its result is unused.
-try:
-    from jax._src.callback import _callback_op_sharding
-except ImportError:  # pragma: no cover  (another JAX: fall back on jax.pure_callback)
-    _callback_op_sharding = None
+_callback_op_sharding = _jaxpr.callback_op_sharding  # None: another JAX, jax.pure_callback instead
 
 _call_p = Primitive("chunkop_progress_call")
 

@@ -221,8 +221,8 @@ def overhead_floor(element_bytes: int, fixed_bytes: int | None = None) -> int:
         >>> from chunkop._search import overhead_floor
         >>> overhead_floor(1024)  # 1 KiB elements: 16 MiB of work per step
         16384
-        >>> overhead_floor(600 * 1024, fixed_bytes=12 * 2**20)  # a CT ray, three 4 MiB images per step
-        355
+        >>> overhead_floor(600 * 1024, fixed_bytes=36 * 2**20)  # a CT ray: 3 passes over 3 extra 4 MiB images
+        1011
     """
     fixed = STEP_BYTES + max(0, fixed_bytes or 0)
     return max(1, -(-OVERHEAD_RATIO * fixed // max(1, int(element_bytes))))
@@ -340,9 +340,11 @@ def _from_estimate(search: _Search, element_bytes: int) -> BudgetPlan:
     """The compile-free plan: ``cap // element_bytes`` elements per chunk, nothing measured.
 
     When that is below the overhead floor (``search.floor``), the chunk is the floor instead,
-    as long as its estimated bytes stay within ``OVER_CAP`` times the cap (else the largest
-    chunk that does): the estimate errs high and the budget is at least ``_estimate.MARGIN``
-    times the cap here, so the raised chunk still fits the budget.
+    as long as its estimated bytes stay within ``OVER_CAP`` times the cap: the estimate errs
+    high and the budget is at least ``_estimate.MARGIN`` times the cap here, so the raised chunk
+    still fits the budget. Where the floor's estimate is past that bound, the floor's program is
+    compiled once and taken if its measured memory is within the bound; else the largest chunk
+    whose estimate is.
 
     Args:
         search: the search (its ``budget`` is the cap).
@@ -360,6 +362,12 @@ def _from_estimate(search: _Search, element_bytes: int) -> BudgetPlan:
     floor = search.floor or 1
     if target < floor:  # the overhead floor, past the cap (bounded)
         limit = max(1, OVER_CAP * search.budget // element_bytes)
+        if floor > limit:  # past the bound by the estimate, which errs high: measured instead
+            c = search.effective(min(_at_least(n, floor, floor + floor // 2), max(1, n // 2)))
+            if c > limit:
+                b = search.measure(c)
+                if b <= min(search.user_budget, OVER_CAP * search.budget):
+                    return search.result(c, element_bytes * c, b)
         target = min(floor, limit)
         if target >= max(1, n // 2):
             return search.result(None, element_bytes * n, None)

@@ -21,7 +21,6 @@ rule.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
@@ -287,17 +286,13 @@ class _KeepEquation(Exception):
     """A re-bound equation would not be exact: bind the original one (its constants stay baked)."""
 
 
-def _is_unspecified(sharding: Any) -> bool:
-    return sharding is None or type(sharding).__name__ == "UnspecifiedValue"
-
-
 def _inlinable_jit(eqn: Any) -> bool:
     """A ``jit`` equation with a closed sub-jaxpr, no explicit sharding and no compiler option."""
     p = eqn.params
     return (
         eqn.primitive.name in _JITS
         and isinstance(p.get("jaxpr"), _jaxpr.ClosedJaxpr)
-        and all(_is_unspecified(s) for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+        and all(_jaxpr.is_unspecified_sharding(s) for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
         and not p.get("compiler_options_kvs")
     )
 
@@ -437,12 +432,9 @@ def _fold_concrete(enabled: bool) -> Any:
     body (a mesh axis is Manual): a value computed eagerly there would carry the enclosing mesh's
     type, not the body's.
     """
-    from jax._src import config as _config  # no public switch for this yet
-
-    state = getattr(_config, "eager_constant_folding", None)
     mesh = jax.sharding.get_abstract_mesh()
     manual = any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ()) or ())
-    return state(True) if state is not None and enabled and not manual else contextlib.nullcontext()
+    return _jaxpr.eager_constant_folding(enabled and not manual)
 
 
 def _named_after(fn: Callable, like: Any) -> Callable:

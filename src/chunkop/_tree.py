@@ -19,13 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _jaxpr
+
 __all__ = ["dtype_of", "has_shape", "is_float", "resized", "struct_of", "zeros_of"]
 
 
 def dtype_of(x: Any) -> np.dtype:
     """The dtype of an array, tracer, ``ShapeDtypeStruct``, aval (or an ``UndefinedPrimal``'s aval)
     or Python/NumPy scalar (its JAX result type)."""
-    x = getattr(x, "aval", x) if type(x).__name__ == "UndefinedPrimal" else x
+    x = getattr(x, "aval", x) if _jaxpr.is_undefined_primal(x) else x
     if not hasattr(x, "dtype"):
         return jnp.result_type(x)
     # (a PRNG key's extended dtype, key<fry>, is its own dtype: NumPy cannot interpret it)

@@ -41,7 +41,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _jaxpr
-from .._chunking import make_plan, narrow, stack_chunks, sum_chunks, widen
+from .._chunking import make_plan, stack_chunks, sum_chunks
 from .._fingerprint import Uncacheable, jaxpr_key, setting_key
 from .._progress import Progress
 from .._trace import eval_traced, trace
@@ -207,27 +207,24 @@ def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum
     """Run ``per_chunk(chunk, unmapped)`` over chunks of ``spec.chunk_size`` rows of ``mapped``.
 
     Stacks the per-chunk outputs (leading axis ``n_rows``), or, with ``sum_like`` (a pytree of
-    ``ShapeDtypeStruct``), sums them in at least float32 and returns ``sum_like``'s dtypes. The
-    loop is :mod:`chunkop._chunking`'s (a checkpointed scan over full chunks, read without a copy,
-    plus one remainder call). ``unmapped`` enters widened and is narrowed back per chunk, so
-    reverse mode sums its cotangents over chunks in the wide dtype (see the module docstring).
+    ``ShapeDtypeStruct``), sums them (in at least float32) into ``sum_like``'s structure and
+    dtypes. The loop is the transforms' (:func:`chunkop._chunking.stack_chunks` /
+    :func:`~chunkop._chunking.sum_chunks`: a checkpointed scan over full chunks, read without a
+    copy, plus one remainder call, with ``unmapped`` entering widened; see the module docstring).
     """
     leaves, tree = _tu.tree_flatten(mapped)
     plan = make_plan(leaves[0].shape[0], spec.chunk_size)
-    wide = widen(unmapped)
+    run = lambda chunk, unmapped, m: per_chunk(_tu.tree_unflatten(tree, chunk), unmapped)
+    if sum_like is not None:
+        return sum_chunks(run, leaves, plan, True, _zeros(sum_like), spec.progress, unmapped=unmapped)
     out_tree: list = []
 
-    def run(chunk: list, m: int) -> list:
-        out = per_chunk(_tu.tree_unflatten(tree, chunk), narrow(wide, unmapped))
-        out_leaves, treedef = _tu.tree_flatten(out if sum_like is None else widen(out))
+    def stacked(chunk: list, unmapped: Any, m: int) -> tuple[list, list]:
+        out_leaves, treedef = _tu.tree_flatten(run(chunk, unmapped, m))
         out_tree.append(treedef)
-        return out_leaves
+        return out_leaves, []
 
-    if sum_like is not None:
-        init = _tu.tree_leaves(widen(_zeros(sum_like)))
-        acc = sum_chunks(run, leaves, plan, True, init, spec.progress)
-        return narrow(_tu.tree_unflatten(_tu.tree_structure(sum_like), acc), sum_like)
-    out, _ = stack_chunks(lambda chunk, m: (run(chunk, m), []), leaves, plan, True, progress=spec.progress)
+    out, _ = stack_chunks(stacked, leaves, plan, True, progress=spec.progress, unmapped=unmapped)
     return _tu.tree_unflatten(out_tree[0], out)
 
 
