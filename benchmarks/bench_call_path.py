@@ -27,7 +27,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,8 +44,10 @@ xs = jnp.asarray(rng.normal(size=(1000, 8)), jnp.float32)
 f = lambda x: jnp.tanh(w @ x)
 cv = chunkop.vmap(f, chunk_size=128)
 jv = jax.vmap(f)
-rows = {"idx": jnp.asarray(rng.integers(0, 500, 4096), jnp.int32), "s": jnp.asarray(rng.uniform(size=4096), jnp.float32)}
-A = chunkop.RowOperator(lambda r, x: r["s"] * x[r["idx"]].sum(), rows, jax.ShapeDtypeStruct((500, 4), jnp.float32), chunk_size=512)
+rows = {"idx": jnp.asarray(rng.integers(0, 500, 4096), jnp.int32),
+        "s": jnp.asarray(rng.uniform(size=4096), jnp.float32)}
+row_fn = lambda r, x: r["s"] * x[r["idx"]].sum()
+A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((500, 4), jnp.float32), chunk_size=512)
 x = jnp.asarray(rng.normal(size=(500, 4)), jnp.float32)
 y = jnp.asarray(rng.normal(size=(4096,)), jnp.float32)
 M = jnp.asarray(np.asarray(jax.jacfwd(A.mv)(x)).reshape(4096, -1))
@@ -67,7 +68,8 @@ def path(fn):
         nonlocal calls
         if event == "call" and frame.f_code.co_filename.startswith(pkg):
             calls += 1
-            names.add((frame.f_code.co_filename, frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") else frame.f_code.co_name))
+            code = frame.f_code
+            names.add((code.co_filename, getattr(code, "co_qualname", code.co_name)))
     sys.setprofile(prof)
     try:
         jax.block_until_ready(fn())

@@ -398,7 +398,7 @@ def test_program_not_differentiable_is_measured_forward_only():
     text; a program whose forward trace fails raises its own error."""
     f = lambda x: jax.lax.fori_loop(0, x.astype(jnp.int32).sum() % 3, lambda i, v: v * 2, x)
     x = jax.ShapeDtypeStruct((64, 8), jnp.float32)
-    with pytest.raises(_memory.NotDifferentiable, match="while_loop|differentiat"):
+    with pytest.raises(_memory.NotDifferentiable, match=r"while_loop|differentiat"):
         list(_memory._derivative_temps(f, [x], jax.eval_shape(f, x), "grad"))
     assert _memory.program_temp_bytes(f, [x], "grad") == _memory.program_temp_bytes(f, [x], "forward")
     with pytest.raises(_memory.NotDifferentiable):  # a caller that measures another way instead

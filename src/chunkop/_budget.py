@@ -327,7 +327,8 @@ def plan_program(
         memory_budget: the budget in bytes, or None for :func:`chunkop._memory.default_budget`.
         mode: the transforms to plan for (:data:`MODES`).
         key: what the programs depend on besides the leaves' shapes, dtypes and (Explicit)
-            shardings, ``n``, the budget, mode, cap and backend (e.g. the traced jaxpr's key); None: the plan is not cached.
+            shardings, ``n``, the budget, mode, cap and backend (e.g. the traced jaxpr's key);
+            None: the plan is not cached.
         element_bytes: the estimated bytes of one element (:mod:`chunkop._estimate`), or None.
         fixed_bytes: the estimated fixed work of a chunk (:func:`chunkop._estimate.fixed_bytes`).
         batch_like: positions of plain leaves batched like the rest under enclosing vmaps.
