@@ -13,8 +13,9 @@ Issue #24 asks that the one engine costs no more per call than the code it repla
 * **ms per call**: the median of 7 blocks of 50 calls, the blocks of the two checkouts
   alternated in one run (each checkout in its own interpreter, started once), with
   ``jax.vmap`` (or the dense matrix product) as the floor a user has;
-* **calls** and **functions**: the calls into functions defined in ``chunkop`` during one call
-  (``sys.setprofile``), and how many distinct functions those are.
+* **calls**, **functions** and **depth**: the calls into functions defined in ``chunkop``
+  during one call (``sys.setprofile``), how many distinct functions those are, and the deepest
+  nesting of chunkop frames (the hops from the user's call to JAX).
 
 The load average (``os.getloadavg``) is recorded before and after.
 """
@@ -63,19 +64,25 @@ for fn in CASES.values():
         jax.block_until_ready(fn())
 
 def path(fn):
-    calls, names = 0, set()
+    calls, names, depth, deepest = 0, set(), 0, 0
     def prof(frame, event, arg):
-        nonlocal calls
-        if event == "call" and frame.f_code.co_filename.startswith(pkg):
+        nonlocal calls, depth, deepest
+        if not frame.f_code.co_filename.startswith(pkg):
+            return
+        if event == "call":
             calls += 1
+            depth += 1
+            deepest = max(deepest, depth)
             code = frame.f_code
             names.add((code.co_filename, getattr(code, "co_qualname", code.co_name)))
+        elif event == "return":
+            depth -= 1
     sys.setprofile(prof)
     try:
         jax.block_until_ready(fn())
     finally:
         sys.setprofile(None)
-    return calls, len(names)
+    return calls, len(names), deepest
 
 print(json.dumps({k: path(fn) for k, fn in CASES.items()}), flush=True)
 for line in sys.stdin:
@@ -131,18 +138,19 @@ def main() -> None:
     }
     lines = [
         f"Warm eager calls: median ms of {BLOCKS} alternated blocks of {PER_BLOCK}; chunkop calls / distinct "
-        f"functions per call (`sys.setprofile`). Load {load_before} -> {load_after}, {os.cpu_count()} CPUs.",
+        f"functions / deepest nesting per call (`sys.setprofile`). Load {load_before} -> {load_after}, "
+        f"{os.cpu_count()} CPUs.",
         "",
         "| call | "
         + " | ".join(f"{n}: ms" for n in workers)
         + " | "
-        + " | ".join(f"{n}: calls / functions" for n in workers)
+        + " | ".join(f"{n}: calls / functions / depth" for n in workers)
         + " |",
         "|---|" + "---:|" * (2 * len(workers)),
     ]
     for k in paths["this"]:
         ms = " | ".join(f"{result['ms'][n][k]:.3f}" for n in workers)
-        cf = " | ".join(f"{paths[n][k][0]} / {paths[n][k][1]}" for n in workers)
+        cf = " | ".join(" / ".join(map(str, paths[n][k])) for n in workers)
         lines.append(f"| {k} | {ms} | {cf} |")
     text = "\n".join(lines) + "\n"
     print(text)
