@@ -243,8 +243,8 @@ def _raised_to_floor(search: _Search, c: int, b: int, predictions: dict[int, int
     floor, n = search.floor, search.n
     if floor is None or c >= floor or search.budget >= search.user_budget:
         return c, b
-    bound = min(search.user_budget, OVER_CAP * search.budget)
-    target = min(_at_least(n, floor, floor + floor // 2), max(1, n // 2))
+    bound = search.over_cap_bound
+    target = search.floor_chunk()
     line = sorted((k, v) for k, v in search.measured.items() if k < n)[-2:]
     slope = (line[1][1] - line[0][1]) / (line[1][0] - line[0][0]) if len(line) == 2 else 0.0
     if slope > 0:
@@ -319,6 +319,17 @@ class _Search:
             self.measured[c] = int(self.temp_bytes(c))
         return self.measured[c]
 
+    @property
+    def over_cap_bound(self) -> int:
+        """How far past the throughput cap the overhead floor may take a chunk's memory:
+        ``OVER_CAP`` times the cap, never past the caller's budget."""
+        return min(self.user_budget, OVER_CAP * self.budget)
+
+    def floor_chunk(self) -> int:
+        """The chunk the overhead floor asks for: the smallest divisor of ``n`` at or just above
+        ``floor`` (:func:`_at_least`), at most half the axis."""
+        return min(_at_least(self.n, self.floor, self.floor + self.floor // 2), max(1, self.n // 2))
+
     def probe_chunks(self) -> tuple[int, int]:
         """The two probes the affine model starts from, well inside the axis."""
         c1 = max(1, min(self.n // 16, 1024))
@@ -363,10 +374,10 @@ def _from_estimate(search: _Search, element_bytes: int) -> BudgetPlan:
     if target < floor:  # the overhead floor, past the cap (bounded)
         limit = max(1, OVER_CAP * search.budget // element_bytes)
         if floor > limit:  # past the bound by the estimate, which errs high: measured instead
-            c = search.effective(min(_at_least(n, floor, floor + floor // 2), max(1, n // 2)))
+            c = search.effective(search.floor_chunk())
             if c > limit:
                 b = search.measure(c)
-                if b <= min(search.user_budget, OVER_CAP * search.budget):
+                if b <= search.over_cap_bound:
                     return search.result(c, element_bytes * c, b)
         target = min(floor, limit)
         if target >= max(1, n // 2):
