@@ -339,7 +339,7 @@ def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
     chosen = (k == 1) | (k >= loop.n_full) | (k % loop.stride == 0)
 
     def report(k: Any, shard: Any, after: Any) -> Any:
-        if _jaxpr.callback_op_sharding is not None:  # (None: another JAX, jax.pure_callback)
+        if _callback_op_sharding is not None:
             return _call_p.bind(k, shard, after, loop=loop, backward=backward)
         out = jax.ShapeDtypeStruct((), jnp.int32)  # (fallback: about 40x the cost per call)
         return jax.pure_callback(host, out, k, shard, after, vmap_method="broadcast_all")
@@ -352,8 +352,9 @@ def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
 # on the host before calling (``device_put``), which costs many times a plain Python callback of
 # NumPy arrays (figures: benchmarks/RESULTS.md, "Progress"). So it is such a callback
 # (``mlir.emit_python_callback``, what ``pure_callback`` lowers to), placed the same way
-# (``_jaxpr.callback_op_sharding``: per device inside ``shard_map``). Pure (no side effect for XLA), so
+# (``_callback_op_sharding``: per device inside ``shard_map``). Pure (no side effect for XLA), so
 # it goes when its result is unused.
+_callback_op_sharding = _jaxpr.callback_op_sharding  # None: another JAX, jax.pure_callback instead
 
 _call_p = Primitive("chunkop_progress_call")
 
@@ -368,7 +369,7 @@ def _call_impl(*args: Any, loop: _Loop, backward: bool) -> Any:
 
 def _call_lowering(ctx: Any, *args: Any, loop: _Loop, backward: bool) -> Any:
     host = _host(loop, backward)
-    sharding = _jaxpr.callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+    sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
     result, _, _ = mlir.emit_python_callback(
         ctx,
         lambda *arrays: (host(*arrays),),
