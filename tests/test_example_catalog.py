@@ -120,12 +120,9 @@ def test_write_catalog_then_data_round_trip(tmp_path, monkeypatch, capsys):
     assert params[0] == "cat" and not {"P", "problem", "field", "prior_mean", "truth"} & set(params)
 
 
-def test_learned_hyperparameters_recover_known_ones():
-    # a sky drawn from the model's own prior (field sd 0.3, correlation length 3 px, spectral slope
-    # 2.5, a falling profile) seen by 20000 lines: measured 0.251, 2.43 px, 2.54, level 0.0005 +- 0.0003.
-    # Tolerances: field sd and length within a factor 1.35 (the empirical sd of this one draw is 0.26),
-    # slope within 25%, the level a within 0.01; the profile's shape stays near its hyperprior.
-    nx, ny, n = 24, 16, 20_000
+def _prior_draw_catalog(nx: int = 24, ny: int = 16, n: int = 20_000) -> catalog.Catalog:
+    """A sky drawn from the model's own prior (field sd 0.3, correlation length 3 px, spectral slope
+    2.5, a falling profile), seen by ``n`` lines at log-uniform distances with 2% noise."""
     rng = np.random.default_rng(1)
     edges = los.bin_edges(24)
     pix = rng.integers(0, nx * ny, n)
@@ -137,10 +134,18 @@ def test_learned_hyperparameters_recover_known_ones():
     mu = np.asarray(learn.profile(np.array([0.0, -0.5, -0.3]), t, om, np))
     y_clean = (learn.weights_np(d, s, edges) @ mu) * (1 + zeta[pix])
     sigma = np.full(n, 0.02 * np.sqrt(np.mean(y_clean**2)))
-    cat = catalog.validate_catalog(
+    return catalog.validate_catalog(
         {"pix": pix, "d": d, "s": s, "y": y_clean + sigma * rng.standard_normal(n), "sigma": sigma}
         | {"nx": nx, "ny": ny, "edges": edges}
     )
+
+
+def test_learned_hyperparameters_recover_known_ones():
+    # the prior draw of _prior_draw_catalog seen by 20000 lines: measured 0.251, 2.43 px, 2.54, level
+    # 0.0005 +- 0.0003. Tolerances: field sd and length within a factor 1.35 (the empirical sd of this
+    # one draw is 0.26), slope within 25%, the level a within 0.01; the profile's shape stays near its
+    # hyperprior.
+    cat = _prior_draw_catalog()
     V, _ = learn.radial_basis(cat)
     G, _ = learn.compress_lines(cat, V)
     h = learn.learn_hyperparameters(cat, G, V, log=lambda m: None)
@@ -150,6 +155,49 @@ def test_learned_hyperparameters_recover_known_ones():
     assert abs(h["slope"] / 2.5 - 1) < 0.25
     assert abs(h["theta"][0]) < 0.01
     assert h["profile_shape_sd_over_prior_sd"][1] > 0.5  # c: not constrained by these data
+
+
+def test_evidence_grid_rule_option_and_warning(tmp_path):
+    # the rule: at most MAX_COARSE pixels, unless a coarse pixel would span more than MAX_FINE fine
+    # ones on a side (seed size: 29 -> 16, a 64 x 48 grid); explicit limits win
+    assert learn.coarse_factor(12, 8) == 1 and learn.coarse_factor(64, 48) == 2
+    assert learn.coarse_factor(1024, 768) == learn.MAX_FINE == 16
+    assert learn.coarse_factor(1024, 768, learn.MAX_COARSE) == 29
+    assert learn.coarse_factor(2048, 1536) == 28  # past MAX_COARSE_FINE at 16: the most it allows
+    cat = _prior_draw_catalog(n=4000)
+    V, _ = learn.radial_basis(cat)
+    G, _ = learn.compress_lines(cat, V)
+    h = learn.learn_hyperparameters(cat, G, V, log=lambda m: None, max_pixels=96)
+    assert h["coarse_factor"] == 2 and h["coarse_grid"] == [12, 8]
+    with pytest.raises(ValueError, match="max_pixels"):
+        learn.learn_hyperparameters(cat, G, V, log=lambda m: None, max_pixels=0)
+    with pytest.raises(SystemExit):
+        reconstruct.main(["--size", "tiny", "--evidence-pixels", "0", "--out", str(tmp_path / "o")])
+    # a coarse pixel of more than MAX_FINE fine ones on a side is reported
+    summ = {"chi2_per_line": 1.0, "posterior": {"cg_relative_residual": 1e-6}}
+    fine = dict(h, profile_shape_sd_over_prior_sd=[0.1, 0.1], at_bound=[])
+    assert reconstruct.warnings_for(summ, dict(fine, coarse_factor=16), cat) == []
+    (w,) = reconstruct.warnings_for(summ, dict(fine, coarse_factor=29), cat)
+    assert "29 x 29 fine ones" in w and "--evidence-pixels" in w
+
+
+def test_hessian_a_column_at_a_time_is_jax_hessian():
+    # the Laplace step's Hessian (chunkop.jacfwd of the gradient, one tangent at a time) against
+    # jax.hessian, on the coarse evidence (factor 2: the sub-coarse term included), in float64
+    import jax
+
+    import chunkop
+
+    cat = _prior_draw_catalog(n=4000)
+    V, _ = learn.radial_basis(cat)
+    G, _ = learn.compress_lines(cat, V)
+    with jax.enable_x64(True):
+        objective, info = learn.make_objective(cat, G, V, 2)
+        theta = jax.numpy.asarray([0.01, -0.3, 0.2, np.log(0.3), np.log(2.0), np.log(2.5)])
+        want = np.asarray(jax.jit(jax.hessian(objective))(theta))
+        got = np.asarray(jax.jit(chunkop.jacfwd(jax.grad(objective), chunk_size=1))(theta))
+    assert info["coarse_grid"] == [12, 8]
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
 
 
 def test_family_reconstructs_at_tiny_size(tmp_path):

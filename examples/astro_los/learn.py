@@ -8,10 +8,10 @@ Model (nothing in it comes from a generator of synthetic skies)::
 ``t_k`` the bin centre's ``ln r`` mapped linearly onto ``[-1, 1]`` over the catalog's edges (``mu`` is
 normalised so that ``exp(a)`` is its ``1/r^2``-weighted mean: see :func:`profile`). The
 hyperparameters ``theta = (a, b, c, ln amp, ln ell, ln slope)`` maximise the evidence (type-II maximum
-likelihood, exact: dense Cholesky on a plane-of-sky grid coarsened to at most ``MAX_COARSE``
-pixels) times a hyperprior ``b, c ~ N(0, 1)`` (a profile that is flat in density unless the data
+likelihood, exact: dense Cholesky on a plane-of-sky grid coarsened by :func:`coarse_factor`)
+times a hyperprior ``b, c ~ N(0, 1)`` (a profile that is flat in density unless the data
 say otherwise; ``a``, ``amp``, ``ell``, ``slope`` have flat hyperpriors within bounds). Their uncertainty is
-the Laplace approximation (the Hessian of that objective, by ``jax.hessian`` in float64).
+the Laplace approximation (the Hessian of that objective in float64, a column at a time).
 
 Why the profile has a hyperprior: every line's weight vector has nearly the same shape
 (``w_k ~ (1/b_k - 1/b_{k+1}) / s``, see ``los.py``): the singular values of the lines' weights fall
@@ -44,6 +44,8 @@ from catalog import Catalog
 import chunkop
 
 MAX_COARSE = 1024  # pixels of the grid on which the evidence is computed exactly
+MAX_FINE = 16  # ... unless its pixel then spans more fine pixels than this on a side:
+MAX_COARSE_FINE = 4096  # then up to this many (memory ~ pixels^2, time ~ pixels^3)
 PROFILE_PRIOR_SD = 1.0  # hyperprior sd of the profile's shape coefficients b, c
 REFERENCE_PRIOR_SD = 0.1  # the same, about a reference profile the user gives (--profile-sd)
 NAMES = ("a", "b", "c", "log_amp", "log_ell", "log_slope")
@@ -148,11 +150,23 @@ def field_power(nx: int, ny: int, ell: Any, slope: Any, full: bool = False, sqrt
 # -- the evidence on a coarse grid ----------------------------------------------------------------
 
 
-def coarse_factor(nx: int, ny: int, max_pixels: int = MAX_COARSE) -> int:
-    f = 1
-    while -(-nx // f) * -(-ny // f) > max_pixels:
-        f += 1
-    return f
+def coarse_factor(nx: int, ny: int, max_pixels: int | None = None) -> int:
+    """The coarsening factor of the evidence's grid: the smallest ``f`` whose grid of ``ceil(nx/f) x
+    ceil(ny/f)`` pixels holds at most ``max_pixels``. None: at most ``MAX_COARSE`` pixels, unless a
+    coarse pixel would then span more than ``MAX_FINE`` fine ones on a side (the field below it is
+    treated crudely: measured at seed size, ``README.md``); then ``MAX_FINE`` (or the smallest factor
+    that keeps the grid within ``MAX_COARSE_FINE`` pixels, if larger)."""
+
+    def smallest(limit: int) -> int:
+        f = 1
+        while -(-nx // f) * -(-ny // f) > limit:
+            f += 1
+        return f
+
+    if max_pixels is not None:
+        return smallest(max_pixels)
+    f = smallest(MAX_COARSE)
+    return f if f <= MAX_FINE else max(MAX_FINE, smallest(MAX_COARSE_FINE))
 
 
 def _coarse(cat: Catalog, f: int) -> tuple[int, int, np.ndarray]:
@@ -253,6 +267,7 @@ def learn_hyperparameters(
     log: Callable = print,
     reference: np.ndarray | None = None,
     shape_sd: float | None = None,
+    max_pixels: int | None = None,
 ) -> dict:
     """Type-II MAP of ``theta`` and its Laplace covariance; returns a dict (see :func:`report`).
 
@@ -262,12 +277,21 @@ def learn_hyperparameters(
     ``REFERENCE_PRIOR_SD`` (0.1: the reference trusted to about 10% in log density at the ends of
     the distance range) with one. The data constrain the shape only weakly and through the model's
     assumptions (a field ``1 + zeta`` the same at every distance), so a loose hyperprior about a
-    good reference lets those assumptions, not the data, move it."""
+    good reference lets those assumptions, not the data, move it.
+    ``max_pixels``: the most pixels of the coarse grid the evidence is computed on (its dense
+    matrices are ``max_pixels^2`` float64; its cost grows as ``max_pixels^3``); None: the rule of
+    :func:`coarse_factor`. Where a coarse pixel holds many fine ones, the field below it is treated
+    crudely (independent fine pixels): a finer grid learns the small scales better.
+    The Hessian (Laplace, and the optimizer's scaling) is computed a column at a time
+    (``chunkop.jacfwd`` of the gradient with ``chunk_size=1``): one tangent's intermediates alive,
+    not six."""
+    if max_pixels is not None and not (isinstance(max_pixels, int) and max_pixels >= 1):
+        raise ValueError(f"max_pixels (the evidence's coarse grid) must be a positive int, got {max_pixels!r}")
     if shape_sd is None:
         shape_sd = PROFILE_PRIOR_SD if reference is None else REFERENCE_PRIOR_SD
     if not shape_sd > 0:
         raise ValueError(f"the profile shape's hyperprior sd must be positive, got {shape_sd}")
-    f = coarse_factor(cat.nx, cat.ny)
+    f = coarse_factor(cat.nx, cat.ny, max_pixels)
     t0 = time.perf_counter()
     with jax.enable_x64(True):
         objective, info = make_objective(cat, G, V, f, reference, shape_sd)
@@ -296,7 +320,7 @@ def learn_hyperparameters(
 
         # L-BFGS-B on coordinates scaled by the Hessian's diagonal at the start (the level a is
         # ~1e4x more sharply determined than the rest, which otherwise sends the first steps astray)
-        hess = jax.jit(jax.hessian(objective))
+        hess = jax.jit(chunkop.jacfwd(jax.grad(objective), chunk_size=1))
         d0 = np.abs(np.diag(np.asarray(hess(jnp.asarray(x0)), np.float64)))
         scale = 1.0 / np.sqrt(np.maximum(d0, 1e-6 * d0.max()))
 

@@ -307,6 +307,7 @@ def reconstruct_catalog(
     mesh: jax.sharding.Mesh | None = None,
     reference: np.ndarray | None = None,
     profile_sd: float | None = None,
+    evidence_pixels: int | None = None,
 ) -> dict:
     """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given), and
     from a reference radial profile (``(n_bins,)`` densities: the prior's mean shape) if one is given.
@@ -317,6 +318,8 @@ def reconstruct_catalog(
     operator and returns ``{"summary": dict, "mean": (n_pix, n_bins) float32, "std": ... or None,
     "column"/"wcolumn" (+ "_std"): (n_pix,)}``. With ``out``, writes ``posterior_mean.npy``,
     ``posterior_std.npy`` (when ``samples > 0``), ``summary.json`` and the figures there.
+    ``evidence_pixels``: the most pixels of the coarse grid the hyperparameters' evidence is computed
+    on (``learn.learn_hyperparameters``'s ``max_pixels``; None: ``learn.coarse_factor``'s rule).
     """
     t0 = time.perf_counter()
     summ: dict = {"catalog": {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}}
@@ -336,7 +339,9 @@ def reconstruct_catalog(
         reference = learn.check_reference(reference, cat.n_bins)
         summ["reference_profile"] = True
         log("the prior's radial profile: the reference given (--profile), its level and contrasts learned")
-    hyper = learn.learn_hyperparameters(cat, G, V, log=log, reference=reference, shape_sd=profile_sd)
+    hyper = learn.learn_hyperparameters(
+        cat, G, V, log=log, reference=reference, shape_sd=profile_sd, max_pixels=evidence_pixels
+    )
     summ["hyperparameters"] = {k: v for k, v in hyper.items() if k != "theta_cov"}
     post = learn.posterior(cat, G, V, hyper, n_samples=samples, iters=iters, rtol=rtol)
     log(
@@ -390,6 +395,13 @@ def warnings_for(summ: dict, hyper: dict, cat: Catalog) -> list:
             + ("the reference profile given (--profile), as right as it is" if given else "the assumed profile")
             + (f" (+-{100 * col:.0f}% per pixel, 1 sd, median)" if col is not None else "")
             + ("" if given else "; give a reference radial profile from outside the catalog with --profile")
+        )
+    f = hyper.get("coarse_factor", 1)
+    if f > learn.MAX_FINE:
+        w.append(
+            f"the hyperparameters' evidence was computed on a coarse grid whose pixel spans {f} x {f} fine ones: "
+            "the field below it is treated crudely, so the learned small scales and the posterior sd may be off; "
+            "a finer grid (--evidence-pixels, memory ~ N^2, time ~ N^3) learns them better"
         )
     for name in hyper["at_bound"]:
         w.append(f"hyperparameter {name} = {hyper['theta'][hyper['names'].index(name)]:.3g} sits at its bound")
@@ -529,6 +541,7 @@ def run(
     progress: bool = False,
     devices: int | None = None,
     samples: int | None = None,
+    evidence_pixels: int | None = None,
 ) -> dict:
     """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
     operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
@@ -543,7 +556,9 @@ def run(
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             res, P, cat_path, chunk, timings = _operator_demos(size, out or tmp.name, chunk, fit_s, progress, mesh)
         # the reconstruction (outside the mesh: only its final fit check uses the sharded operator)
-        return _reconstruct_synthetic(res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples)
+        return _reconstruct_synthetic(
+            res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels
+        )
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -630,14 +645,18 @@ def _operator_demos(size, out, chunk, fit_s, progress, mesh):
     return res, P, cat_path, chunk, timings
 
 
-def _reconstruct_synthetic(res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples) -> dict:
+def _reconstruct_synthetic(
+    res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels
+) -> dict:
     """The reconstruction from the catalog file alone, then the comparison with the truth."""
     seed = P.size == "seed"
     cat = load_catalog(cat_path)
     if samples is None:
         samples = 8 if seed else 32
     t = time.perf_counter()
-    rec = reconstruct_catalog(cat, None, samples=samples, rtol=rtol, chunk=chunk, mesh=mesh)
+    rec = reconstruct_catalog(
+        cat, None, samples=samples, rtol=rtol, chunk=chunk, mesh=mesh, evidence_pixels=evidence_pixels
+    )
     timings["reconstruction_s"] = time.perf_counter() - t
     ev = evaluate(cat, rec, P.truth())
     rec["summary"]["evaluation"] = ev["metrics"]
@@ -817,6 +836,15 @@ def main(argv=None) -> dict:
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale calibration demo")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument(
+        "--evidence-pixels",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"the most pixels of the coarse grid the prior's evidence is computed on (default: {learn.MAX_COARSE}, "
+        f"or up to {learn.MAX_COARSE_FINE} where a coarse pixel would span more than {learn.MAX_FINE} fine ones "
+        "on a side; memory ~ N^2, time ~ N^3: see the example's README, seed size)",
+    )
+    p.add_argument(
         "--devices",
         type=int,
         default=None,
@@ -847,6 +875,8 @@ def main(argv=None) -> dict:
         p.error("--profile and --profile-sd need --data (the built-in synthetic run learns its profile)")
     if a.profile_sd is not None and not a.profile_sd > 0:
         p.error(f"--profile-sd must be positive, got {a.profile_sd}")
+    if a.evidence_pixels is not None and a.evidence_pixels < 1:
+        p.error(f"--evidence-pixels must be at least 1, got {a.evidence_pixels}")
     if a.devices is not None:
         if a.devices < 1:
             p.error(f"--devices must be at least 1, got {a.devices}")
@@ -867,6 +897,7 @@ def main(argv=None) -> dict:
             progress=a.progress,
             devices=a.devices,
             samples=a.samples,
+            evidence_pixels=a.evidence_pixels,
         )
     try:
         cat = load_catalog(a.data)
@@ -888,6 +919,7 @@ def main(argv=None) -> dict:
         mesh=mesh,
         reference=reference,
         profile_sd=a.profile_sd,
+        evidence_pixels=a.evidence_pixels,
     )
     ev = None
     if a.truth:
