@@ -181,6 +181,18 @@ def test_evidence_grid_rule_option_and_warning(tmp_path):
     assert "29 x 29 fine ones" in w and "--evidence-pixels" in w
 
 
+@pytest.mark.parametrize("nx,ny", [(12, 8), (7, 5)])
+def test_sqrt_cov_by_fft_is_the_dense_circulant(nx, ny):
+    # the evidence's K^1/2 D K^1/2 applies K^1/2 by FFT; against the dense circulant matrix
+    import jax
+
+    with jax.enable_x64(True):
+        dense = np.asarray(learn._dense_sqrt_cov(nx, ny, 2.0, 2.5))
+        x = np.random.default_rng(0).standard_normal((3, nx * ny))
+        got = np.asarray(learn._sqrt_cov_apply(nx, ny, 2.0, 2.5, jax.numpy.asarray(x)))
+    np.testing.assert_allclose(got, x @ dense.T, rtol=1e-12, atol=1e-12 * np.abs(x @ dense.T).max())
+
+
 def test_hessian_a_column_at_a_time_is_jax_hessian():
     # the Laplace step's Hessian (chunkop.jacfwd of the gradient, one tangent at a time) against
     # jax.hessian, on the coarse evidence (factor 2: the sub-coarse term included), in float64
