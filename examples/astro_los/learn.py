@@ -49,6 +49,12 @@ MAX_COARSE_FINE = 4096  # then up to this many (memory ~ pixels^2, time ~ pixels
 PROFILE_PRIOR_SD = 1.0  # hyperprior sd of the profile's shape coefficients b, c
 REFERENCE_PRIOR_SD = 0.1  # the same, about a reference profile the user gives (--profile-sd)
 NAMES = ("a", "b", "c", "log_amp", "log_ell", "log_slope")
+#: L-BFGS-B's stopping rule for the hyperparameters (on the objective less its start value, in
+#: coordinates scaled by the start's Hessian diagonal). SciPy's defaults (ftol 2.2e-9 of |f|,
+#: gtol 1e-5) stopped `steep_profile` 0.64 nats short, with its field length off by 2x between
+#: two float64 roundings of the same objective; with these both reach the same optimum (ftol
+#: 1e-12 was below the objective's own roundoff: the line search then failed at the optimum).
+FIT_TOLERANCES = {"maxiter": 1000, "ftol": 1e-10, "gtol": 1e-8}
 
 
 # -- the lines, compressed ----------------------------------------------------------------------
@@ -336,13 +342,18 @@ def learn_hyperparameters(
         d0 = np.abs(np.diag(np.asarray(hess(jnp.asarray(x0)), np.float64)))
         scale = 1.0 / np.sqrt(np.maximum(d0, 1e-6 * d0.max()))
 
+        # the objective less its value at the start: L-BFGS-B's stopping test is relative to |f|,
+        # and |f| (~1e6, mostly the constant log |2 pi N|) let it stop ~1e-3 short in the flat valley
+        # of the profile's shape, where float64 roundoff then moved the optimum (FIT_TOLERANCES)
+        f0 = min(vals)
+
         def fun(u):
             v, g = vg(jnp.asarray(x0 + scale * u))
-            return float(v), scale * np.asarray(g, np.float64)
+            return float(v) - f0, scale * np.asarray(g, np.float64)
 
         ub = [((lo - x) / sc_, (hi - x) / sc_) for (lo, hi), x, sc_ in zip(bounds, x0, scale)]
         opt = scipy.optimize.minimize(
-            fun, np.zeros(len(NAMES)), jac=True, method="L-BFGS-B", bounds=ub, options={"maxiter": 300}
+            fun, np.zeros(len(NAMES)), jac=True, method="L-BFGS-B", bounds=ub, options=FIT_TOLERANCES
         )
         theta = x0 + scale * opt.x
         H = np.asarray(hess(jnp.asarray(theta)), np.float64)
@@ -363,7 +374,7 @@ def learn_hyperparameters(
         "amp": float(np.exp(theta[3])),
         "ell_pixels": float(np.exp(theta[4]) * f),
         "slope": float(np.exp(theta[5])),
-        "neg_log_posterior": float(opt.fun),
+        "neg_log_posterior": float(opt.fun) + f0,
         "optimizer": {"success": bool(opt.success), "iterations": int(opt.nit), "message": str(opt.message)},
         "neg_log_posterior_start": float(min(vals)),
         "profile_shape_sd_over_prior_sd": shape_ratio,
