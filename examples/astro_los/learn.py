@@ -376,7 +376,7 @@ def learn_hyperparameters(
         "slope": float(np.exp(theta[5])),
         "neg_log_posterior": float(opt.fun) + f0,
         "optimizer": {"success": bool(opt.success), "iterations": int(opt.nit), "message": str(opt.message)},
-        "neg_log_posterior_start": float(min(vals)),
+        "neg_log_posterior_start": float(f0),
         "profile_shape_sd_over_prior_sd": shape_ratio,
         "profile_prior_sd": shape_sd,
         "reference_profile": None if reference is None else np.asarray(reference, np.float64).tolist(),
