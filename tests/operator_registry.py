@@ -364,6 +364,65 @@ def make_segment():
     )
 
 
+def make_windowed(
+    n: int = 53,
+    npix: int = 40,
+    chunk: int = 8,
+    targets: str = "random",
+    read: str = "row",
+    seed: int = 5,
+    k: int = K,
+) -> Case:
+    """``layout="windowed"``: the rows sorted once by target, each chunk reading one window of
+    ``x``. ``n`` lines over a wider sky than their chunks span (53 rows in chunks of 8: six full
+    chunks and a remainder of 5), so that the windows are smaller than ``x``, straddle chunks
+    and differ per chunk; ``p`` (the distances and scales) enters through the rows. ``targets``:
+    ``random``, ``sorted``, ``skewed`` (most rows on two pixels), ``one`` (every row on one
+    pixel) or ``out_of_range`` (negative indices counting from the end, and beyond either end,
+    which ``x[i]`` clamps). ``read``: ``row`` (``x[i]``), ``slice`` (``x[i:i + 2]`` summed) or
+    ``two`` (two reads, ``x[i]`` and ``x[i // 2]``)."""
+    rng = np.random.default_rng(seed)
+    base = make_los_rows(n, npix, seed)
+    idx = {
+        "random": lambda: rng.integers(0, npix, n),
+        "sorted": lambda: np.sort(rng.integers(0, npix, n)),
+        "skewed": lambda: np.where(rng.uniform(size=n) < 0.8, rng.integers(3, 5, n), rng.integers(0, npix, n)),
+        "one": lambda: np.full(n, 7),
+        "out_of_range": lambda: rng.choice([-1, -3, -npix - 4, npix, npix + 9, 0, 5, 20], n),
+    }[targets]()
+    idx = jnp.asarray(idx, jnp.int32)
+
+    def row_fn(r, x):
+        w = los_weights(r, edges(x.shape[-1]))
+        if read == "slice":
+            return jnp.dot(w, jax.lax.dynamic_slice_in_dim(x, r["idx"], 2).sum(0))
+        if read == "two":
+            return jnp.dot(w, x[r["idx"]]) - 0.5 * jnp.dot(w, x[r["idx"] // 2])
+        return jnp.dot(w, x[r["idx"]])
+
+    return Case(
+        f"windowed_{targets}_{read}",
+        lambda p: row_fn,
+        lambda p: {"idx": idx, "d": p["d"], "s": p["s"]},
+        jax.ShapeDtypeStruct((npix, k), jnp.float32),
+        {"d": base["d"], "s": base["s"]},
+        chunk,
+        {"layout": "windowed"},
+    )
+
+
+def _windowed_twin(make: Callable[[], Case]) -> Callable[[], Case]:
+    """``make``'s case with ``layout="windowed"`` forced (on its small sky a window may hold
+    every row of ``x``: the kernels still read it as a window)."""
+
+    def twin() -> Case:
+        case = make()
+        return dataclasses.replace(case, name=f"{case.name}_windowed", options={**case.options, "layout": "windowed"})
+
+    twin.__name__ = f"{make.__name__}_windowed"
+    return twin
+
+
 make_operators: list[Callable[[], Case]] = [
     make_los,
     make_well_conditioned,
@@ -378,5 +437,9 @@ make_operators: list[Callable[[], Case]] = [
     make_array_rows,
     make_square,
     make_segment,
+    make_windowed,
+    functools.partial(make_windowed, targets="skewed", read="slice"),
+    functools.partial(make_windowed, targets="out_of_range", read="two"),
+    *(_windowed_twin(m) for m in (make_los, make_well_conditioned, make_complex, make_closed_arrays, make_tuple_rows)),
 ]
-OPERATOR_IDS = [make.__name__.removeprefix("make_") for make in make_operators]
+OPERATOR_IDS = [make().name for make in make_operators]

@@ -121,7 +121,11 @@ def test_values_structures_and_matrix(make_operator, chunk):
     assert A.n_rows == A.T.n_rows == n_rows
     assert A.chunk_size == A.T.chunk_size == chunk
     assert isinstance(A.T, chunkop.TransposedRowOperator)
-    assert A.T.T is A and A.transpose().transpose() is A and A.T.operator is A and A.T.rows is A.rows
+    assert A.T.T is A and A.transpose().transpose() is A and A.T.operator is A and A.T.kernel_rows is A.kernel_rows
+    # the rows in the user's order: the same values (the kernels' own when they come in order)
+    assert_tree_allclose(A.T.rows, case.rows, n_terms=1)
+    if A.row_order is None:
+        assert A.rows is A.kernel_rows
 
 
 # -- the line-of-sight problem --------------------------------------------------------------------

@@ -38,6 +38,7 @@ NAMES = [
     "operator_eager_calls_compile_once_per_key",
     "operator_sharded_rows_explicit",
     "operator_sharded_rows_auto",
+    "operator_windowed_sharded_rows",
 ]
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,9 +156,10 @@ def gram_diagonal(A: chunkop.RowOperator, edges: np.ndarray) -> jax.Array:
 
 
 def with_rows(A: chunkop.RowOperator, **rows: Any) -> chunkop.RowOperator:
-    """``A`` with some row leaves replaced (e.g. ``s=alpha * s``): the same operator pytree with
-    new ``rows`` leaves (no new trace of ``row_fn``; differentiable in the new leaves)."""
-    return eqx.tree_at(lambda op: op.rows, A, {**A.rows, **rows})
+    """``A`` with some row leaves replaced (e.g. ``s=alpha * s``): the same operator with new
+    ``rows`` leaves (``RowOperator.with_rows``: no new trace of ``row_fn``, no new sort of the
+    lines; differentiable in the new leaves)."""
+    return A.with_rows({**A.rows, **rows})
 
 
 def los_vmap(idx: jax.Array, d: jax.Array, s: jax.Array, sky: jax.Array, edges: np.ndarray) -> jax.Array:

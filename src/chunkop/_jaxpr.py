@@ -39,6 +39,7 @@ __all__ = [
     "WrappedFun",
     "callback_op_sharding",
     "eager_constant_folding",
+    "eval_context",
     "is_batch_tracer",
     "is_checkpoint_answer",
     "is_forward_tracer",
@@ -319,3 +320,12 @@ def eager_constant_folding(enabled: bool) -> Any:
     manager), on when ``enabled``; a null context where this JAX has no such switch."""
     state = getattr(_config, "eager_constant_folding", None)
     return state(True) if state is not None and enabled else contextlib.nullcontext()
+
+
+def eval_context() -> Any:
+    """A context in which operations are computed now, whatever transform is tracing around it
+    (JAX's evaluation trace): for values computed from concrete inputs only."""
+    from jax._src import core as _core  # the evaluation trace: no public form
+
+    context = getattr(_core, "eval_context", None)
+    return context() if context is not None else contextlib.nullcontext()

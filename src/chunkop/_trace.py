@@ -35,7 +35,7 @@ from ._fingerprint import ClosesOverTracer, Uncacheable, jaxpr_key
 from ._sharding import per_dim
 from ._tree import is_float as _is_float
 
-__all__ = ["CollectiveError", "Traced", "trace", "trace_example", "eval_traced"]
+__all__ = ["CollectiveError", "Traced", "trace", "trace_example", "eval_traced", "evaluate", "clamped_start"]
 
 
 class Traced(NamedTuple):
@@ -76,7 +76,9 @@ def _example_struct(x: Any, axis: int) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, aval.dtype, weak_type=weak, sharding=example)
 
 
-def eval_traced(jaxpr: Any, consts: list, *args: Any, take_rows: bool = True) -> list:
+def eval_traced(
+    jaxpr: Any, consts: list, *args: Any, take_rows: bool = True, reads: dict[int, Callable] | None = None
+) -> list:
     """Evaluate a traced jaxpr (its flat outputs) on the current trace: the one evaluation of
     ``fun`` and ``row_fn`` in the chunk loops and the operator kernels.
 
@@ -89,20 +91,26 @@ def eval_traced(jaxpr: Any, consts: list, *args: Any, take_rows: bool = True) ->
     ``dynamic_slice`` indexes by ``(i, 0, ...)`` instead, whose scatter-add XLA:TPU runs far
     slower (figures: ``benchmarks/RESULTS.md``, "Accelerators"). ``take_rows=False`` binds
     every equation (the segment transpose, whose rows each read their own one-slice ``x``).
+    ``reads`` maps positions in ``jaxpr.eqns`` of reads of ``x`` (``dynamic_slice`` equations) to
+    ``fn(operand, start)``, which gives the rows read instead (the windowed layout of an
+    operator: ``operand`` is a window of ``x``, :mod:`chunkop._operator.row_layout`).
     """
     meshless = not jax.sharding.get_abstract_mesh().empty and any(_traced_without_mesh(e) for e in jaxpr.eqns)
-    if not meshless and (not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns)):
+    if not meshless and not reads and (not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns)):
         return jax.core.eval_jaxpr(jaxpr, consts, *args)
+    by_eqn = {id(jaxpr.eqns[i]): fn for i, fn in (reads or {}).items()}
 
     def rule(eqn: Any, invals: list) -> list | None:
+        if id(eqn) in by_eqn:
+            return [by_eqn[id(eqn)](invals[0], invals[1])]
         if take_rows and _reads_whole_rows(eqn):
             return [_take_rows(invals[0], invals[1], eqn.params["slice_sizes"][0])]
         if meshless and _traced_without_mesh(eqn):  # run in this context, not in its empty mesh
             inner = eqn.params["jaxpr"]
-            return _evaluate(inner.jaxpr, inner.consts, invals, rule)
+            return evaluate(inner.jaxpr, inner.consts, invals, rule)
         return None
 
-    return _evaluate(jaxpr, consts, args, rule)
+    return evaluate(jaxpr, consts, args, rule)
 
 
 def _traced_without_mesh(eqn: Any) -> bool:
@@ -116,7 +124,7 @@ def _traced_without_mesh(eqn: Any) -> bool:
     return mesh is not None and getattr(mesh, "empty", False)
 
 
-def _evaluate(jaxpr: Any, consts: Any, args: Any, rule: Callable[[Any, list], list | None]) -> list:
+def evaluate(jaxpr: Any, consts: Any, args: Any, rule: Callable[[Any, list], list | None]) -> list:
     """Evaluate ``jaxpr`` on the current trace as ``jax.core.eval_jaxpr`` does, except that an
     equation for which ``rule(eqn, input values)`` returns outputs (not None) gives those: the
     one equation-by-equation evaluator of :func:`eval_traced` and the inliner."""
@@ -150,11 +158,32 @@ def _reads_whole_rows(eqn: Any) -> bool:
     return len(shape) >= 2 and tuple(sizes[1:]) == tuple(shape[1:])
 
 
+def clamped_start(start: Any, hi: int) -> jax.Array:
+    """``start`` clamped to ``[0, hi]``, as ``lax.dynamic_slice`` clamps a start index, in int32.
+
+    Exact for every integer dtype: the bounds are applied in ``start``'s own dtype only where
+    they fit it (a ``uint8`` start into 300 rows needs no upper clamp; ``hi`` itself, 299, would
+    wrap to 43 as a ``uint8``), and the result, in ``[0, hi]`` with ``hi < 2**31``, is then cast.
+
+    Example:
+        >>> clamped_start(jnp.array([5, 200, 255], jnp.uint8), 298).tolist()
+        [5, 200, 255]
+        >>> clamped_start(jnp.array([-3, 7, 2**31 - 1], jnp.int32), 6).tolist()
+        [0, 6, 6]
+    """
+    start = jnp.asarray(start)
+    info = jnp.iinfo(start.dtype)
+    if info.min < 0:
+        start = jnp.maximum(start, 0)
+    if hi < info.max:  # (a Python int that fits the dtype: no array typed on the context's mesh)
+        start = jnp.minimum(start, hi)
+    return start.astype(jnp.int32)
+
+
 def _take_rows(operand: Any, start: Any, size: int) -> Any:
     """``size`` rows of ``operand`` from ``start`` (clamped so that they fit, as
     ``lax.dynamic_slice`` clamps it), gathered by a 1-D index."""
-    n = operand.shape[0]
-    first = jnp.clip(start, 0, n - size)
+    first = clamped_start(start, operand.shape[0] - size)
     return jnp.take(operand, first + jnp.arange(size, dtype=first.dtype), axis=0, mode="clip")
 
 
@@ -341,7 +370,7 @@ def _eval_hoisting(jaxpr: Any, consts: Any, *args: Any, memo: dict) -> list:
                 return None
         return None
 
-    return _evaluate(jaxpr, consts, args, rule)
+    return evaluate(jaxpr, consts, args, rule)
 
 
 def _retrace(body: Any, memo: dict) -> Any:

@@ -44,12 +44,13 @@ from .. import _jaxpr
 from .._chunking import make_plan, stack_chunks, sum_chunks
 from .._fingerprint import Uncacheable, jaxpr_key, setting_key
 from .._progress import Progress
-from .._trace import eval_traced, trace
+from .._trace import clamped_start, eval_traced, trace
 from .._tree import dtype_of as _dtype
 from .._tree import is_float as _is_float
 from .._tree import zeros_of as _zeros
+from . import row_layout
 
-__all__ = ["Spec", "make_spec", "apply", "apply_transpose"]
+__all__ = ["Spec", "make_spec", "apply", "apply_transpose", "apply_in_order", "apply_transpose_in_order"]
 
 _tu = jax.tree_util
 
@@ -80,6 +81,8 @@ class Spec:
     progress: Progress = dataclasses.field(default=None, repr=False)  # reported by every kernel's loop
     out_leaves: tuple = dataclasses.field(default=(), repr=False)  # ShapeDtypeStructs of one row's output leaves
     segment_key: Any = None  # the rows' target key: T.mv sums per target (see _segment_transpose_chunk)
+    reads: Any = None  # row_layout.Reads: where row_fn reads x (None: not only whole rows)
+    windows: Any = None  # the windowed layout: rows per window of each x leaf (None: the plain layout)
 
     @functools.cached_property
     def key(self) -> Any:
@@ -100,6 +103,8 @@ class Spec:
             self.out_tree,
             progress_key,
             self.segment_key,
+            self.reads,
+            self.windows,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -119,32 +124,79 @@ class Spec:
         leaves = [jax.ShapeDtypeStruct((n_rows, *o.shape), o.dtype) for o in self.out_leaves]
         return _tu.tree_unflatten(self.out_tree, leaves)
 
-    def row_fn(self, consts: Any, row: Any, x: Any, take_rows: bool = True) -> Any:
+    def row_fn(self, consts: Any, row: Any, x: Any, take_rows: bool = True, starts: Any = None) -> Any:
         """``row_fn(row, x)``, evaluated from the jaxpr with these ``consts`` (``take_rows``:
-        see :func:`chunkop._trace.eval_traced`)."""
+        see :func:`chunkop._trace.eval_traced`). With ``starts`` (the windowed layout: one
+        window start per read leaf, :meth:`window_starts`), ``x``'s read leaves are those
+        windows (:meth:`windows_of`), each read from its window."""
         row_leaves = _tu.tree_structure(row) == self.row_tree and _tu.tree_leaves(row)
         if row_leaves is False:
             raise ValueError(f"RowOperator: a row has structure {_tu.tree_structure(row)}, expected {self.row_tree}.")
-        out = eval_traced(self.jaxpr, list(consts), *row_leaves, *_tu.tree_leaves(x), take_rows=take_rows)
+        reads = None if starts is None else self._window_reads(starts)
+        out = eval_traced(self.jaxpr, list(consts), *row_leaves, *_tu.tree_leaves(x), take_rows=take_rows, reads=reads)
         return _tu.tree_unflatten(self.out_tree, out)
+
+    def _window_reads(self, starts: list) -> dict:
+        """The windowed layout's reads: ``{equation: fn(window, start)}`` (see ``row_fn``)."""
+        at = {leaf: w for leaf, w in zip(self.reads.read_leaves, starts)}
+
+        def read(leaf: int, size: int) -> Callable:
+            hi = self.in_leaves[leaf].shape[0] - size
+            return lambda win, start: row_layout.read_window(win, clamped_start(start, hi) - at[leaf], size)
+
+        return {k: read(leaf, size) for k, leaf, size in zip(self.reads.eqns, self.reads.leaves, self.reads.sizes)}
+
+    def window_starts(self, consts: Any, rows_c: Any) -> list | None:
+        """The windowed layout's window starts for one chunk of (sorted) rows (None: plain layout)."""
+        if self.windows is None:
+            return None
+        sizes = tuple(s.shape[0] for s in self.in_leaves)
+        return row_layout.window_starts(self.jaxpr, self.reads, self.windows, sizes, list(consts), rows_c)
+
+    def windows_of(self, x: Any, starts: list | None) -> Any:
+        """``x`` as the windowed layout's kernels read it: each read leaf's window at ``starts``
+        (``lax.dynamic_slice``, so its transpose adds into that window of ``x``); ``x`` itself
+        when ``starts`` is None. A leaf that is never read becomes an empty array."""
+        if starts is None:
+            return x
+        at = dict(zip(self.reads.read_leaves, starts))
+        leaves = [
+            jax.lax.dynamic_slice_in_dim(v, at[j], self.windows[j], axis=0) if j in at else v[:0]
+            for j, v in enumerate(_tu.tree_leaves(x))
+        ]
+        return _tu.tree_unflatten(self.in_tree, leaves)
+
+    def window_structure(self, starts: list | None) -> Any:
+        """The structure :meth:`windows_of` gives (``in_structure()`` when ``starts`` is None)."""
+        if starts is None:
+            return self.in_structure()
+        return jax.eval_shape(lambda: self.windows_of(_zeros(self.in_structure()), starts))
 
     @functools.cached_property
     def calls_custom_vjp(self) -> bool:
         """Whether ``row_fn`` calls a ``jax.custom_vjp`` function (at any depth)."""
         return _jaxpr.has_eqn(self.jaxpr, _jaxpr.is_custom_vjp)
 
-    def vrow_fn(self, consts: Any, rows_c: Any, x: Any) -> Any:
-        """``row_fn`` over a chunk of rows (vmapped over the rows only)."""
-        return jax.vmap(self.row_fn, (None, 0, None))(consts, rows_c, x)
+    def vrow_fn(self, consts: Any, rows_c: Any, x: Any, starts: list | None = None) -> Any:
+        """``row_fn`` over a chunk of rows (vmapped over the rows only); with ``starts``, ``x``
+        is the chunk's windows (:meth:`windows_of`)."""
+        return jax.vmap(lambda row: self.row_fn(consts, row, x, starts=starts))(rows_c)
 
-    def at(self, chunk_size: int, progress: Progress = None, segment_key: Any = ...) -> Spec:
-        """The same traced ``row_fn`` at another chunk size, progress setting and transpose
-        (``segment_key``, see :func:`backward`; kept unless given); no new trace."""
+    def at(self, chunk_size: int, progress: Progress = None, segment_key: Any = ..., windows: Any = ...) -> Spec:
+        """The same traced ``row_fn`` at another chunk size, progress setting, transpose
+        (``segment_key``, see :func:`backward`) and layout (``windows``: rows per window of each
+        ``x`` leaf, None for the plain layout); the last two kept unless given. No new trace."""
         if segment_key is ...:
             segment_key = self.segment_key
-        if chunk_size == self.chunk_size and progress is self.progress and segment_key == self.segment_key:
+        if windows is ...:
+            windows = self.windows
+        if (chunk_size, segment_key, windows) == (self.chunk_size, self.segment_key, self.windows) and (
+            progress is self.progress
+        ):
             return self
-        return dataclasses.replace(self, chunk_size=chunk_size, progress=progress, segment_key=segment_key)
+        return dataclasses.replace(
+            self, chunk_size=chunk_size, progress=progress, segment_key=segment_key, windows=windows
+        )
 
 
 def make_spec(
@@ -187,8 +239,9 @@ def make_spec(
         fingerprint = jaxpr_key(jaxpr)
     except Uncacheable:
         fingerprint = None
+    reads = row_layout.find_reads(jaxpr, len(_tu.tree_leaves(row0)))
     spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, fingerprint, progress, out_leaves)
-    return spec, tuple(closed.consts)
+    return dataclasses.replace(spec, reads=reads), tuple(closed.consts)
 
 
 def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:
@@ -231,29 +284,40 @@ def _chunk_loop(per_chunk: Callable, mapped: Any, unmapped: Any, spec: Spec, sum
 # -- the kernels ----------------------------------------------------------------------------------
 
 
-def _linear_parts(spec: Spec, consts: Any, rows_c: Any) -> tuple[Callable, list]:
+def _linear_parts(spec: Spec, consts: Any, rows_c: Any, starts: list | None = None) -> tuple[Callable, list]:
     """One chunk's linear map ``x -> vmap(row_fn)(rows_c, x)`` as ``(fn, weights)``: ``fn(x, *weights)``.
 
     ``weights`` are what the map needs besides ``x`` (gather indices, the weights computed from
-    the row data), computed once per chunk.
+    the row data), computed once per chunk. With ``starts`` (the windowed layout) the map's
+    input is the chunk's windows of ``x`` (:meth:`Spec.windows_of`).
     """
-    x0 = _zeros(spec.in_structure())
-    _, f_jvp = jax.linearize(lambda v: spec.vrow_fn(consts, rows_c, v), x0)
+    x0 = _zeros(spec.window_structure(starts))
+    _, f_jvp = jax.linearize(lambda v: spec.vrow_fn(consts, rows_c, v, starts), x0)
     fn, weights = jax.closure_convert(f_jvp, x0)
     return fn, weights
+
+
+def _chunk_map(spec: Spec, consts: Any, rows_c: Any, split: bool = True) -> Callable:
+    """One chunk's linear map of ``x`` (its windows read, in the windowed layout).
+
+    ``split=False`` (when differentiated w.r.t. the parameters) evaluates ``row_fn`` directly,
+    not its linear parts.
+    """
+    starts = spec.window_starts(consts, rows_c)
+    if split:
+        fn, weights = _linear_parts(spec, consts, rows_c, starts)
+        return lambda v: fn(spec.windows_of(v, starts), *weights)
+    return lambda v: spec.vrow_fn(consts, rows_c, spec.windows_of(v, starts), starts)
 
 
 def _transpose_chunk(spec: Spec, consts: Any, rows_c: Any, y_c: Any, split: bool = True) -> Any:
     """``A_c^T y_c`` for one chunk of rows: the transpose of the vmapped ``row_fn``.
 
     ``split=False`` (when differentiated w.r.t. the parameters) transposes ``row_fn`` directly.
+    In the windowed layout the transpose of the window's ``dynamic_slice`` adds the chunk's
+    rows into its window: the chunk loop's running sum is updated in that window only.
     """
-    if split:
-        fn, weights = _linear_parts(spec, consts, rows_c)
-        f = lambda v: fn(v, *weights)
-    else:
-        f = lambda v: spec.vrow_fn(consts, rows_c, v)
-    (ct,) = jax.linear_transpose(f, spec.in_structure())(y_c)
+    (ct,) = jax.linear_transpose(_chunk_map(spec, consts, rows_c, split), spec.in_structure())(y_c)
     return ct
 
 
@@ -362,8 +426,7 @@ def forward(spec: Spec, consts: Any, rows: Any, x: Any) -> Any:
 
     def per_chunk(rows_c: Any, unmapped: Any) -> Any:
         consts, x = unmapped
-        fn, weights = _linear_parts(spec, consts, rows_c)
-        return fn(x, *weights)
+        return _chunk_map(spec, consts, rows_c)(x)
 
     return _chunk_loop(per_chunk, rows, (consts, x), spec)
 
@@ -395,7 +458,9 @@ def forward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: Any
         rows_c, drows_c = chunk
         consts, dconsts, x = unmapped
         tangents = (_tangent(consts, dconsts), _tangent(rows_c, drows_c))
-        return _jvp(spec, lambda c, r: spec.vrow_fn(c, r, x), (consts, rows_c), tangents)
+        starts = spec.window_starts(consts, rows_c)  # (from integer row data: no tangent)
+        v = spec.windows_of(x, starts)
+        return _jvp(spec, lambda c, r: spec.vrow_fn(c, r, v, starts), (consts, rows_c), tangents)
 
     return _chunk_loop(per_chunk, (rows, drows), (consts, dconsts, x), spec)
 
@@ -476,3 +541,17 @@ def apply_transpose(spec: Spec, consts: Any, rows: Any, y: Any) -> Any:
 
 apply.__wrapped__.defjvp(_linear_rule(forward_dparams, apply), symbolic_zeros=True)
 apply_transpose.__wrapped__.defjvp(_linear_rule(backward_dparams, apply_transpose), symbolic_zeros=True)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def apply_in_order(spec: Spec, consts: Any, rows: Any, layout: row_layout.RowLayout, x: Any) -> Any:
+    """``A x`` in the user's row order: :func:`apply` on the sorted rows, permuted back
+    (:meth:`row_layout.RowLayout.to_user`)."""
+    return layout.to_user(apply(spec, consts, rows, x))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def apply_transpose_in_order(spec: Spec, consts: Any, rows: Any, layout: row_layout.RowLayout, y: Any) -> Any:
+    """``A^T y`` for ``y`` in the user's row order: :func:`apply_transpose` of ``y`` permuted
+    into the sorted rows' order (:meth:`row_layout.RowLayout.to_sorted`)."""
+    return apply_transpose(spec, consts, rows, layout.to_sorted(y))

@@ -20,7 +20,7 @@ from .._budget import BudgetPlan
 from .._progress import Progress, check_progress
 from .._tree import zeros_of
 from .._vmap import vmap
-from . import kernels, row_plan, row_sharding
+from . import kernels, row_layout, row_plan, row_sharding
 
 __all__ = ["RowOperator", "TransposedRowOperator", "AbstractRowOperator"]
 
@@ -181,7 +181,12 @@ class AbstractRowOperator(lx.AbstractLinearOperator):
     @property
     def n_rows(self) -> int:
         """The number of rows (the size of the leading axis of every leaf of ``rows``)."""
-        return jax.tree_util.tree_leaves(self.rows)[0].shape[0]
+        return jax.tree_util.tree_leaves(self.kernel_rows)[0].shape[0]
+
+    @property
+    def kernel_rows(self) -> Any:
+        """The rows as the kernels hold them (``rows`` itself, unless a subclass reorders them)."""
+        return self.rows
 
     def mv(self, vector: Any) -> Any:
         """``A x``: rows stacked along a leading axis of ``n_rows``.
@@ -301,8 +306,9 @@ class RowOperator(AbstractRowOperator):
         (5, 3)
     """
 
-    rows: Any
+    row_data: Any  # the rows the kernels run on: sorted by target in the windowed layout
     consts: tuple
+    layout: Any  # row_layout.RowLayout (the windowed layout's permutation), or None (plain)
     spec: kernels.Spec = eqx.field(static=True)
     tags: frozenset = eqx.field(static=True)
     mesh_axes: Any = eqx.field(static=True, default=None)  # rows sharded over these (see row_sharding)
@@ -321,6 +327,7 @@ class RowOperator(AbstractRowOperator):
         memory_budget: int | None = None,
         out_sharding: str = "rows",
         segment_key: str | None = None,
+        layout: str = "auto",
     ) -> None:
         """Build the operator (arguments are checked, and ``row_fn`` is traced, here).
 
@@ -368,6 +375,19 @@ class RowOperator(AbstractRowOperator):
                 ``jax.linear_transpose``'s scatter-add (the faster on CPU; see
                 ``benchmarks/RESULTS.md``). ``mv`` and the derivatives w.r.t. ``rows`` and
                 ``consts`` are unchanged.
+            layout: how the kernels hold the rows. ``"windowed"``: sorted by target once, here,
+                so that each chunk of rows reads one window of ``x``'s rows and every transpose
+                (``A.T.mv``, and the transpose of ``A.mv`` that ``jax.grad`` runs) sums into that
+                window instead of scattering every row into ``x`` (``docs/design.md``, "The
+                windowed layout"). It needs ``row_fn`` to read ``x`` only as whole rows
+                (``x[i]``, ``x[i:i + k]`` along the leading axis of each leaf) at starts
+                computed from concrete row data; ``A x`` and ``A^T y`` stay in the user's row
+                order (one permutation of ``n_rows`` values each, none when the rows come
+                sorted: :attr:`row_order`). ``"plain"``: the rows as given, each chunk reading
+                ``x`` where its rows point (a scatter-add of rows in the transpose).
+                ``"auto"`` (the default): ``"windowed"`` where it applies and was measured to
+                win on the platform (a TPU, a CPU), else ``"plain"``; always ``"plain"`` with a
+                ``segment_key``.
         """
         if not callable(row_fn):
             raise TypeError(f"RowOperator: `row_fn` must be callable, got {row_fn!r}.")
@@ -382,25 +402,118 @@ class RowOperator(AbstractRowOperator):
         _budget.check_budget_needs_auto(
             chunk_size, _budget.check_memory_budget(memory_budget, "RowOperator"), "RowOperator"
         )
+        if layout not in ("auto", "windowed", "plain"):
+            raise ValueError(f'RowOperator: `layout` must be "auto", "windowed" or "plain", got {layout!r}.')
+        if layout == "windowed" and segment_key is not None:
+            raise ValueError(
+                "RowOperator: `segment_key` and layout='windowed' are two transposes: the windowed layout "
+                "sums each chunk's rows into one window of x (no scatter at all); pass one of them."
+            )
         if chunk_size == "auto" and n_rows == 0:
             chunk_size = 1  # nothing to plan: no row, no chunk
         self.mesh_axes = row_sharding.row_mesh(rows)
         x_struct = jax.tree_util.tree_unflatten(in_tree, list(in_leaves))
 
-        def trace_and_plan() -> tuple:
-            spec, consts = kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
-            spec = spec.at(spec.chunk_size, None, segment_key)
-            # "auto": planned on that one trace of row_fn
-            plan = row_plan.plan_rows(spec, consts, rows, memory_budget) if chunk_size == "auto" else None
-            return spec, consts, plan
-
-        # in the context the kernels run row_fn in (rows sharded over an Explicit mesh: automatic axes)
-        spec, self.consts, self.budget_plan = row_sharding.traced_for_rows(trace_and_plan, rows)
+        # row_fn traced (and planned) in the context the kernels run it in (rows sharded over an
+        # Explicit mesh: automatic axes); the layout sorted in the caller's
+        traced = lambda: kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
+        spec, self.consts = row_sharding.traced_for_rows(traced, rows)
+        spec = spec.at(spec.chunk_size, None, segment_key)
+        windowed = _windowed(spec, self.consts, rows, layout, segment_key, self.mesh_axes)
+        self.row_data, self.layout, windows_at, self.budget_plan = rows, None, None, None
+        if windowed is not None:  # "auto": planned on that one trace of row_fn and the windows
+            order, targets, at, sorted_rows = windowed
+            plan = None
+            if chunk_size == "auto":
+                key = row_layout.digest(targets)
+                plan = row_sharding.traced_for_rows(
+                    lambda: row_plan.plan_rows(spec, self.consts, sorted_rows, memory_budget, at, key), rows
+                )
+            chunk = chunk_size if plan is None else row_layout.preferred_chunk(at, plan.chunk or n_rows)
+            if plan is not None and chunk != plan.chunk:
+                plan = plan._replace(chunk=chunk)
+            if row_layout.use_windows(layout, at(chunk), spec.in_leaves, chunk):
+                self.row_data, self.layout, windows_at, self.budget_plan = sorted_rows, order, at, plan
+        if self.layout is None and chunk_size == "auto":
+            self.budget_plan = row_sharding.traced_for_rows(
+                lambda: row_plan.plan_rows(spec, self.consts, rows, memory_budget), rows
+            )
         if self.budget_plan is not None:
             chunk_size = self.budget_plan.chunk or n_rows
-        self.spec = spec.at(chunk_size, progress)  # (the transpose kept)
-        self.rows = rows
+        windows = None if windows_at is None else windows_at(chunk_size)
+        self.spec = spec.at(chunk_size, progress, windows=windows)  # (the transpose kept)
         self.tags = frozenset(tags) if isinstance(tags, Iterable) else frozenset((tags,))
+
+    @property
+    def rows(self) -> Any:
+        """The row data, in the user's order (as given when the operator was built).
+
+        In the windowed layout with rows that did not come sorted, the kernels hold them sorted
+        (``row_data``), and this is a permutation of those. To replace row leaves keep the
+        layout's order: ``eqx.tree_at(lambda A: A.row_data, A, A.layout.to_sorted(new_rows))``
+        (or build a new operator).
+        """
+        if self.layout is None or self.layout.order is None:
+            return self.row_data
+        return row_sharding.map_rows(lambda m: m[1].to_user(m[0]), (self.row_data, self.layout))
+
+    @property
+    def kernel_rows(self) -> Any:
+        """The rows as the kernels hold them: sorted by target in the windowed layout."""
+        return self.row_data
+
+    def with_rows(self, rows: Any) -> RowOperator:
+        """This operator with new row values (a pytree like ``rows``, in the user's order): the same
+        traced ``row_fn``, plan and layout, so no new trace, sort or compilation; differentiable
+        in the new values (e.g. ``A.with_rows({**A.rows, "s": alpha * A.rows["s"]})``).
+
+        The rows' targets (the values ``row_fn`` computes its reads of ``x`` from) must be those
+        the operator was built with: checked where both are concrete; for others (traced under
+        ``jax.jit``) build a new operator if they change.
+
+        Args:
+            rows: the new row pytree (same structure, shapes and dtypes).
+
+        Returns:
+            A :class:`RowOperator`.
+
+        Raises:
+            ValueError: a concrete target leaf with other values, or another structure.
+        """
+        old_leaves, tree = jax.tree_util.tree_flatten(self.rows)
+        new_leaves = jax.tree_util.tree_leaves(rows)
+        if jax.tree_util.tree_structure(rows) != tree or any(
+            jnp.shape(a) != jnp.shape(b) or jnp.result_type(a) != jnp.result_type(b)
+            for a, b in zip(old_leaves, new_leaves)
+        ):
+            raise ValueError(
+                "RowOperator.with_rows: the new rows must have the operator's row structure, shapes and "
+                f"dtypes: expected {_fmt(self.rows)}, got {_fmt(rows)}."
+            )
+        if self.layout is None:
+            return eqx.tree_at(lambda op: op.row_data, self, rows)
+        for k in row_layout.target_leaves(self.spec.jaxpr, self.spec.reads):
+            a, b = old_leaves[k], new_leaves[k]
+            concrete = not isinstance(a, jax.core.Tracer) and not isinstance(b, jax.core.Tracer)
+            if a is not b and concrete and not np.array_equal(np.asarray(a), np.asarray(b)):
+                raise ValueError(
+                    "RowOperator.with_rows: the new rows change the targets row_fn reads x at (row leaf "
+                    f"{jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(rows)[0][k][0])}), which "
+                    "the windowed layout sorted the rows by: build a new RowOperator."
+                )
+        sorted_rows = row_sharding.map_rows(lambda m: m[1].to_sorted(m[0]), (rows, self.layout))
+        return eqx.tree_at(lambda op: op.row_data, self, sorted_rows)
+
+    @property
+    def row_order(self) -> jax.Array | None:
+        """The windowed layout's order of the rows: ``rows[row_order]`` (each leaf) is sorted by
+        target; None when the rows came sorted, or in the plain layout.
+
+        Sorting a catalog once (its rows and its data) and building the operator on the sorted
+        rows spares ``A x`` and ``A^T y`` their permutations (one scatter of ``n_rows`` values
+        each). With rows sharded over devices the indices are local to each device's rows.
+        """
+        return None if self.layout is None else self.layout.order
 
     @property
     def row_fn(self) -> Callable:
@@ -438,21 +551,74 @@ class RowOperator(AbstractRowOperator):
     def apply(self, vector: Any) -> Any:
         """The chunked matvec kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
         if _is_symbolic(self.n_rows):  # rows given as an exported function's argument
-            _check_rows(self.rows)
+            _check_rows(self.row_data)
         if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # rows sharded over devices
-            out = row_sharding.sharded_apply(kernels.apply, self.spec, self.consts, self.rows, vector, mesh_axes)
+            kernel, rows = kernels.apply, self.row_data
+            if self.layout is not None:
+                kernel, rows = _in_order, (self.row_data, self.layout)
+            out = row_sharding.sharded_apply(kernel, self.spec, self.consts, rows, vector, mesh_axes)
             return row_sharding.replicate(out, mesh_axes) if self.out_sharding == "replicated" else out
-        return kernels.apply(self.spec, self.consts, self.rows, vector)
+        if self.layout is not None:
+            return kernels.apply_in_order(self.spec, self.consts, self.row_data, self.layout, vector)
+        return kernels.apply(self.spec, self.consts, self.row_data, vector)
 
     def apply_transpose(self, vector: Any) -> Any:
         """The chunked transposed kernel (differentiable in ``rows``, ``consts`` and ``vector``)."""
         if _is_symbolic(self.n_rows):
-            _check_rows(self.rows)
+            _check_rows(self.row_data)
         if (mesh_axes := row_sharding.operator_mesh(self)) is not None:  # one all-reduce of the x-space result
-            return row_sharding.sharded_apply(
-                kernels.apply_transpose, self.spec, self.consts, self.rows, vector, mesh_axes, transpose=True
-            )
-        return kernels.apply_transpose(self.spec, self.consts, self.rows, vector)
+            kernel, rows = kernels.apply_transpose, self.row_data
+            if self.layout is not None:
+                kernel, rows = _transpose_in_order, (self.row_data, self.layout)
+            return row_sharding.sharded_apply(kernel, self.spec, self.consts, rows, vector, mesh_axes, transpose=True)
+        if self.layout is not None:
+            return kernels.apply_transpose_in_order(self.spec, self.consts, self.row_data, self.layout, vector)
+        return kernels.apply_transpose(self.spec, self.consts, self.row_data, vector)
+
+
+def _in_order(spec: kernels.Spec, consts: Any, rows_and_layout: tuple, x: Any) -> Any:
+    """A device's ``A x`` in the windowed layout (its rows sorted, their layout beside them)."""
+    return kernels.apply_in_order(spec, consts, *rows_and_layout, x)
+
+
+def _transpose_in_order(spec: kernels.Spec, consts: Any, rows_and_layout: tuple, y: Any) -> Any:
+    """A device's ``A^T y`` in the windowed layout."""
+    return kernels.apply_transpose_in_order(spec, consts, *rows_and_layout, y)
+
+
+def _windowed(
+    spec: kernels.Spec, consts: tuple, rows: Any, layout: str, segment_key: Any, mesh_axes: Any
+) -> tuple | None:
+    """The windowed layout of these rows, or None for the plain one (see ``RowOperator``'s
+    ``layout``): ``(RowLayout, sorted targets, windows_at(chunk), sorted rows)``."""
+    forced = layout == "windowed"
+    if layout == "plain" or segment_key is not None:
+        return None
+    if not forced and not row_layout.platform().windows:
+        return None
+    why = None
+    if spec.reads is None:
+        why = "`row_fn` reads `x` otherwise than as whole rows (x[i], x[i:i + k] along each leaf's leading axis)"
+    elif any(s.shape and _is_symbolic(s.shape[0]) for s in spec.in_leaves):
+        why = "`x`'s leaves of concrete sizes (jax.export's symbolic sizes cannot be windowed)"
+    x_sizes = None if why else tuple(int(s.shape[0]) if s.shape else 0 for s in spec.in_leaves)
+    targets = None if why else row_layout.row_targets(spec.jaxpr, spec.reads, consts, rows, x_sizes)
+    if why is None and targets is None:
+        why = "the rows' targets are traced (rows built under jax.jit or jax.vmap): they must be concrete"
+    shards = 1
+    n = targets.shape[0] if targets is not None else 0
+    if mesh_axes is not None and n % mesh_axes.n_shards == 0:
+        shards = mesh_axes.n_shards
+    if why is None:
+        order, targets = row_layout.build(targets, shards)
+        windows_at = lambda chunk: row_layout.window_sizes(targets, spec.reads, x_sizes, chunk, shards)
+        if order.order is not None:
+            order = row_layout.RowLayout(*(row_layout.placed(a, rows) for a in (order.order, order.inverse)))
+            rows = row_sharding.map_rows(lambda m: m[1].to_sorted(m[0]), (rows, order))
+        return order, targets, windows_at, rows
+    if forced:
+        raise ValueError(f"RowOperator: layout='windowed' needs {why}; use layout='auto' or 'plain'.")
+    return None
 
 
 class TransposedRowOperator(lx.AbstractLinearOperator):
@@ -480,6 +646,11 @@ class TransposedRowOperator(lx.AbstractLinearOperator):
     def rows(self) -> Any:
         """The row data, shared with the original operator."""
         return self.operator.rows
+
+    @property
+    def kernel_rows(self) -> Any:
+        """The rows as the original operator's kernels hold them."""
+        return self.operator.kernel_rows
 
     @property
     def row_fn(self) -> Callable:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from .. import _estimate
 from .._budget import check_memory_budget, plan_program
@@ -27,12 +28,14 @@ from .row_sharding import row_mesh
 __all__ = ["rows_temp_bytes", "plan_rows"]
 
 
-def _row_programs(spec: kernels.Spec, rows: Any, chunk: int, k: int) -> list:
+def _row_programs(spec: kernels.Spec, rows: Any, chunk: int, k: int, windows_at: Callable | None = None) -> list:
     """``mv`` and ``T.mv`` at ``chunk`` rows per chunk, as the planner takes them: ``(fn, at)``
     over the leaves ``[*consts, *rows, *x, *y]`` (``k`` constants). ``row_fn`` is not traced
-    again: every candidate chunk evaluates the one traced ``spec``."""
+    again: every candidate chunk evaluates the one traced ``spec`` (in the windowed layout, with
+    the windows ``windows_at(chunk)`` of that chunk)."""
     row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
-    spec = spec.at(chunk)  # (measured without progress reports)
+    windows = None if windows_at is None else windows_at(chunk)
+    spec = spec.at(chunk, windows=windows)  # (measured without progress reports)
     x_tree, nx, ny, r = spec.in_tree, len(spec.in_leaves), len(spec.out_leaves), len(row_leaves)
     y_tree = spec.out_tree
 
@@ -80,7 +83,14 @@ def rows_temp_bytes(row_fn: Callable, rows: Any, in_structure: Any, chunk: int) 
     return max(program_temp_bytes(fn, [leaves[i] for i in at], "grad") for fn, at in programs)
 
 
-def plan_rows(spec: kernels.Spec, consts: tuple, rows: Any, memory_budget: int | None) -> BudgetPlan:
+def plan_rows(
+    spec: kernels.Spec,
+    consts: tuple,
+    rows: Any,
+    memory_budget: int | None,
+    windows_at: Callable | None = None,
+    layout_key: Any = None,
+) -> BudgetPlan:
     """The chunk of rows for a ``RowOperator`` built with ``chunk_size="auto"``.
 
     Plans for :func:`rows_temp_bytes` (the worst of ``mv``, ``T.mv`` and their VJPs), compiled
@@ -98,6 +108,10 @@ def plan_rows(spec: kernels.Spec, consts: tuple, rows: Any, memory_budget: int |
         consts: the arrays ``row_fn`` closes over (from the same trace).
         rows: the row pytree (its leading axis is the rows).
         memory_budget: the budget in bytes, or None for :func:`chunkop._memory.default_budget`.
+        windows_at: in the windowed layout, ``windows_at(chunk)``: the rows of each window at
+            that chunk (:func:`row_layout.window_sizes`), which the programs read (and the
+            estimate counts per row); None for the plain layout.
+        layout_key: what the windows depend on (the sorted targets' digest), for the plan's key.
 
     Returns:
         The (cached) :class:`chunkop.BudgetPlan`; ``size`` and ``shards`` per device.
@@ -116,16 +130,22 @@ def plan_rows(spec: kernels.Spec, consts: tuple, rows: Any, memory_budget: int |
     k, r = len(consts), len(row_leaves)
     jaxpr = spec.jaxpr
     x_vars = jaxpr.invars[r:]
-    planned = spec.at(1)  # keyed without the operator's chunk size and progress setting
-    key = None if planned.key is None else ("rows", planned.key, shards)
+    planned = spec.at(1, windows=None)  # keyed without the operator's chunk size and progress setting
+    key = None if planned.key is None else ("rows", planned.key, shards, layout_key)
+    element_bytes = _estimate.element_bytes(jaxpr, n_inputs=r)
+    if windows_at is not None and element_bytes is not None and n:
+        # each chunk also reads its windows: their rows per row of the chunk, at a chunk of 4096
+        ref = min(n, 4096)
+        per_x_row = [int(np.prod(s.shape[1:])) * np.dtype(s.dtype).itemsize for s in spec.in_leaves]
+        element_bytes += int(sum(w * b for w, b in zip(windows_at(ref), per_x_row)) / ref)
     plan = plan_program(
-        lambda chunk: _row_programs(spec, rows, chunk, k),
+        lambda chunk: _row_programs(spec, rows, chunk, k, windows_at),
         leaves,
         n,
         memory_budget=budget,
         mode="grad",
         key=key,
-        element_bytes=_estimate.element_bytes(jaxpr, n_inputs=r),
+        element_bytes=element_bytes,
         fixed_bytes=_estimate.fixed_bytes(jaxpr, r, operands=[*jaxpr.constvars, *x_vars]),
         batch_like=range(k + r, len(leaves)),
     )

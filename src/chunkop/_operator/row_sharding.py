@@ -110,7 +110,7 @@ def operator_mesh(op: Any) -> MeshAxes | None:
     Returns:
         A :class:`chunkop._sharding.MeshAxes`, or None for rows on one device.
     """
-    found = row_mesh(op.rows)
+    found = row_mesh(op.kernel_rows)
     return getattr(op, "mesh_axes", None) if found is None else found
 
 
