@@ -196,6 +196,11 @@ def test_row_order_sorts_a_catalog_once():
     assert B.row_order is None and B.layout is not None
     assert_tree_allclose(B.mv(x), A.mv(x)[order], n_terms=1)
     assert_tree_allclose(B.T.mv(y[order]), A.T.mv(y), n_terms=longest_sum(case.dense()))
+    S = A.in_sorted_order()  # the same, without a new sort: A's kernels, no permutation
+    assert S.row_order is None and S.spec is A.spec and B.in_sorted_order() is B
+    assert_tree_allclose(S.mv(x), A.mv(x)[order], n_terms=1)
+    assert_tree_allclose(S.T.mv(y[order]), A.T.mv(y), n_terms=longest_sum(case.dense()))
+    assert_tree_allclose(S.rows, B.rows, n_terms=1)
 
 
 def test_with_rows_keeps_the_layout_and_refuses_new_targets():

@@ -79,26 +79,34 @@ class Platform:
             gather); ``"auto"`` chunks no larger than keeps the windows within it (down to
             ``MIN_ONEHOT_CHUNK`` rows).
         max_window_per_row: ``"auto"`` keeps the windows only while they hold at most this many
-            rows of ``x`` per row of a chunk (None: any).
+            rows of ``x`` per row of a chunk (None: any) ...
+        unaligned: ... or, whatever their size, when a read leaf's rows have a last axis that is
+            not a multiple of this (0: never): where the platform stores such an array with
+            another axis minor, so that reading its rows one by one first copies all of ``x``.
     """
 
     windows: bool
     onehot_max: int = 0
     max_window_per_row: float | None = None
+    unaligned: int = 0
 
 
 # Measured (benchmarks/explore_window.py, bench_layout.py; benchmarks/RESULTS.md, "Windowed
-# rows"). TPU v5e, 54M lines of a 786432 x 516 sky, chunks of 4096: windows of 72 rows read by
-# a one-hot product took the transpose from 7028 to 383 ms and the matvec from 989 to 342 ms (a
-# gather from the window: 927 / 560 ms); at 131072 lines (windows of 25256 rows) the gather from
-# the window still beat the plain layout (mv 6.3 vs 8.8 ms, T 21.9 vs 26.4 ms), the one-hot
-# product did not (56 ms). 2-core CPU, 200000 x 128 or 50000 x 128 skies, chunks of 4096: the
-# windows won from 2 lines per pixel (windows of half a chunk: mv 0.81x, T 1.03x, grad 0.90x the
-# plain layout's time; at 5 and 70 lines per pixel 0.79-0.90x everywhere) and lost below (at 1
-# line per pixel T 1.7x, at 0.2 2.3x). GPUs were never measured: the plain layout there
-# (layout="windowed" forces the windows, read by a gather).
+# rows"). TPU v5e, 54M lines of a 786432 x 516 sky (69 lines per pixel), chunks of 4096: windows
+# of 64-72 rows read by a one-hot product took the transpose from 7065 to 362 ms and the matvec
+# from 959 to 323 ms (sorted lines; a gather from the window instead: 927 / 560 ms). At 132400
+# lines (0.17 per pixel, windows of 20368 rows, 5 per line): over 516 bins (an array XLA:TPU
+# stores with the pixel axis minor, {0,1}, so that the plain layout first copies all of x, 1.9
+# GiB) the windows won every product (mv 6.6-7.4 vs 8.6 ms, T 21.8 vs 27.0, grad 28.2 vs 34.5);
+# over 512 bins they lost the matvec (5.5 vs 2.8 ms) and won the rest (T 16.4 vs 19.3); the
+# one-hot product lost there (56 vs 6.3 ms). Between 0.016 and 5 window rows per line the TPU
+# was not measured: 1 is the bound. 2-core CPU, 128 bins, chunks of 4096: the windows won from 2
+# lines per pixel (windows of half a chunk: mv 0.81x, T 1.03x, grad 0.90x the plain layout's
+# time; at 5, 20 and 70 lines per pixel 0.79-0.90x everywhere) and lost below (1 line per pixel:
+# T 1.7x; 0.2: 2.3x). GPUs were never measured: the plain layout there (layout="windowed" forces
+# the windows, read by a gather).
 PLATFORMS: dict[str, Platform] = {
-    "tpu": Platform(windows=True, onehot_max=128),
+    "tpu": Platform(windows=True, onehot_max=128, max_window_per_row=1.0, unaligned=128),
     "cpu": Platform(windows=True, max_window_per_row=0.6),
 }
 MIN_ONEHOT_CHUNK = 1024
@@ -259,9 +267,14 @@ def use_windows(layout: str, windows: tuple, x_leaves: tuple, chunk: int) -> boo
     as ``x`` reads all of it per chunk) and they are within the platform's measured bound."""
     if layout == "windowed":
         return True
-    bound = platform().max_window_per_row
-    smaller = any(0 < w < s.shape[0] for w, s in zip(windows, x_leaves))
-    return smaller and (bound is None or sum(windows) <= bound * chunk)
+    measured = platform()
+    if not any(0 < w < s.shape[0] for w, s in zip(windows, x_leaves)):
+        return False
+    unaligned = measured.unaligned and any(
+        w and len(s.shape) > 1 and s.shape[-1] % measured.unaligned for w, s in zip(windows, x_leaves)
+    )
+    bound = measured.max_window_per_row
+    return bool(unaligned) or bound is None or sum(windows) <= bound * chunk
 
 
 def preferred_chunk(windows_at: Callable, chunk: int) -> int:

@@ -509,11 +509,36 @@ class RowOperator(AbstractRowOperator):
         """The windowed layout's order of the rows: ``rows[row_order]`` (each leaf) is sorted by
         target; None when the rows came sorted, or in the plain layout.
 
-        Sorting a catalog once (its rows and its data) and building the operator on the sorted
-        rows spares ``A x`` and ``A^T y`` their permutations (one scatter of ``n_rows`` values
-        each). With rows sharded over devices the indices are local to each device's rows.
+        Sorting a catalog once (its rows and its data) spares ``A x`` and ``A^T y`` their
+        permutations (one scatter of ``n_rows`` values each: 0.46 s at 54M lines on a TPU v5e):
+        build the operator on ``rows[row_order]``, or use :meth:`in_sorted_order`. With rows
+        sharded over devices the indices are local to each device's rows.
         """
         return None if self.layout is None else self.layout.order
+
+    def in_sorted_order(self) -> RowOperator:
+        """This operator on its rows in the windowed layout's order, ``rows[row_order]``: the same
+        kernels and windows, without the permutations (``A x`` comes in that order, ``A^T`` takes
+        vectors in it). Sort the data once (``y[A.row_order]``) and use this.
+
+        Returns:
+            A :class:`RowOperator` (this one when its rows came sorted, or in the plain layout).
+
+        Example:
+            >>> import jax, jax.numpy as jnp, chunkop
+            >>> rows = {"i": jnp.array([3, 0, 2, 0, 1, 3]), "w": jnp.arange(1.0, 7.0)}
+            >>> A = chunkop.RowOperator(lambda r, x: r["w"] * x[r["i"]], rows,
+            ...                         jax.ShapeDtypeStruct((4,), jnp.float32), chunk_size=2,
+            ...                         layout="windowed")
+            >>> A.row_order.tolist()
+            [1, 3, 4, 2, 0, 5]
+            >>> x = jnp.arange(4.0)
+            >>> A.in_sorted_order().mv(x).tolist() == A.mv(x)[A.row_order].tolist()
+            True
+        """
+        if self.layout is None or self.layout.order is None:
+            return self
+        return eqx.tree_at(lambda op: op.layout, self, row_layout.RowLayout())
 
     @property
     def row_fn(self) -> Callable:
