@@ -13,6 +13,7 @@ matrix) and asserts the output's sharding and the compiled program's collectives
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
@@ -667,6 +668,47 @@ def operator_sharded_rows_explicit():
 @check
 def operator_sharded_rows_auto():
     _operator_checks("auto")
+
+
+@check
+def device_put_inputs_under_jit_and_grad_without_set_mesh():
+    """The common pattern (issue #42, finding 2): data placed with ``jax.device_put`` on an Auto
+    mesh, closed over by a function that ``jax.jit`` or ``jax.grad`` traces, no ``jax.set_mesh``
+    context. ``chunkop.vmap``/``sum`` (and a ``RowOperator`` on such rows) raised "`set_mesh` can
+    only be used outside of `jax.jit`" (a concrete mesh set while a transform traced); now as
+    ``jax.vmap``. (On an Explicit mesh JAX itself asks for ``jax.set_mesh`` there.)"""
+    mesh = mesh_of("auto")
+    x = jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P("d")))
+    w = jnp.linspace(0.5, 1.5, 4)
+    f = lambda v, w: jnp.sin(v) * w
+    for kind in ("vmap", "sum"):
+        chunked = lambda w: getattr(chunkop, kind)(f, in_axes=(0, None), chunk_size=2)(x, w).sum()
+        ref = lambda w: jax.vmap(f, (0, None))(x, w).sum()
+        for transform in (jax.jit, jax.grad, lambda h: jax.jit(jax.grad(h))):
+            close(transform(chunked)(w), transform(ref)(w), 16)
+    rows = jax.device_put(los_rows(), NamedSharding(mesh, P("d")))
+    A = chunkop.RowOperator(row_fn, rows, X_STRUCT, chunk_size=5)
+    v = jnp.linspace(-1.0, 1.0, NPIX)
+    M = np.asarray(chunkop.RowOperator(row_fn, los_rows(), X_STRUCT, chunk_size=5).as_matrix())
+    close(jax.jit(lambda v: A.mv(v))(v), M @ v, longest_sum(M))
+    close(jax.grad(lambda v: jnp.sum(A.mv(v) ** 2))(v), 2 * M.T @ (M @ v), 2 * longest_sum(M))
+
+
+@check
+def gram_diagonal_of_sharded_rows():
+    """``chunkop.gram_diagonal`` (generic and ``squared_row_fn``) of rows sharded over Explicit
+    and Auto meshes, inside and outside ``jax.set_mesh``: as unsharded (issue #42, finding 3:
+    the generic path ran ``row_fn`` in the Explicit context it was not traced in and crashed)."""
+    rows = los_rows()
+    M = np.asarray(chunkop.RowOperator(row_fn, rows, X_STRUCT, chunk_size=5).as_matrix())
+    ref = (M**2).sum(0)
+    for kind in ("explicit", "auto"):
+        mesh = mesh_of(kind)
+        for inside in (True, False):
+            rs = jax.device_put(rows, NamedSharding(mesh, P("d")))
+            with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
+                A = chunkop.RowOperator(row_fn, rs, X_STRUCT, chunk_size=5)
+                close(chunkop.gram_diagonal(A), ref, N)
 
 
 def window_row_fn(r, x):

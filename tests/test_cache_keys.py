@@ -161,6 +161,55 @@ def test_rule_defined_afresh_per_call_is_reused():
     assert len(_cache._LOOPS) == 1
 
 
+def _calls_its_primal(w, kind):
+    """A ``custom_jvp`` (or ``custom_vjp``) made per call whose rule calls the primal itself, as
+    JAX's documentation writes rules (``return f(x), ...``; the forward rule ``f(x), x``)."""
+    if kind == "custom_jvp":
+
+        @jax.custom_jvp
+        def f(x):
+            return jnp.sin(x) * w
+
+        @f.defjvp
+        def f_jvp(primals, tangents):
+            return f(primals[0]), jnp.cos(primals[0]) * w * tangents[0]
+
+        return f
+
+    @jax.custom_vjp
+    def g(x):
+        return jnp.sin(x) * w
+
+    g.defvjp(lambda x: (g(x), x), lambda x, ct: (jnp.cos(x) * w * ct,))
+    return g
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_rule_calling_its_primal_per_call_is_reused_and_not_kept(kind):
+    """Issue #42, finding 4: a rule defined per call that calls its own primal (the nested call
+    was keyed by the rule's identity, so every call compiled a new loop, uncached and run
+    eagerly, which kept each closed-over array alive in JAX's eager caches even after
+    ``chunkop.clear_caches()``). The nested call of the rule's own function is keyed as a
+    back-reference: one loop per distinct closed-over value, and nothing kept once cleared."""
+    if kind == "custom_jvp" and getattr(jax.config, "jax_custom_jvp3", False):
+        pytest.skip("under jax_custom_jvp3 a rule defined afresh per call is keyed by identity")
+    if kind == "custom_vjp" and getattr(jax.config, "jax_custom_vjp3", False):
+        pytest.skip("under jax_custom_vjp3 a rule defined afresh per call is keyed by identity")
+    refs = []
+    for i in range(4):
+        w = jnp.float32(1.0 + i % 2)  # two distinct values over four calls
+        f = _calls_its_primal(w, kind)
+        ours, ref = _grads(f)
+        assert_tree_allclose(ours, ref)
+        assert_tree_allclose(chunkop.vmap(f, chunk_size=3)(X), jax.vmap(f)(X))
+        refs.append(weakref.ref(w))
+        del f, w
+    assert len(_cache._LOOPS) == 2
+    chunkop.clear_caches()
+    gc.collect()
+    assert all(r() is None for r in refs), "closed-over arrays kept alive after chunkop.clear_caches()"
+
+
 def test_inner_jit_rebuilt_per_step_is_reused_and_not_kept():
     refs = []
 

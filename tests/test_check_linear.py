@@ -27,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -324,11 +325,47 @@ def test_aligned_pairing_sees_antilinear_row_fns(row_fn):
     A = chunkop.RowOperator(row_fn, ROWS, COMPLEX, chunk_size=4)
     x, y = _random_like(jax.random.key(1), COMPLEX), _random_like(jax.random.key(2), A.out_structure())
     ax = _row_fn_mv(A, x)
-    y_aligned = _aligned(ax, y)
+    y_aligned = _aligned(ax, y, True)
     assert _adjoint_error(x, ax, y_aligned, _rmv(A, y_aligned))[0] > 0.5
     good = make_complex().op()
     x = _random_like(jax.random.key(1), good.in_structure())
     ax = _row_fn_mv(good, x)
-    y_aligned = _aligned(ax, _random_like(jax.random.key(2), good.out_structure()))
+    y_aligned = _aligned(ax, _random_like(jax.random.key(2), good.out_structure()), True)
     error, cancellation, lhs, _ = _adjoint_error(x, ax, y_aligned, _rmv(good, y_aligned))
     assert error < 1e-6 and cancellation < 2 and abs(complex(lhs).real) < 1e-6 * abs(complex(lhs))
+
+
+class _ComplexRows(chunkop.AbstractRowOperator):
+    """Dense complex rows on a real ``x``: ``A x`` complex, ``A^T y`` real (JAX's transpose of a
+    map into the complex numbers viewed as a real space: ``Re(M^T y)``), scaled by ``t_scale``."""
+
+    rows: jax.Array
+    t_scale: float = eqx.field(static=True, default=1.0)
+    tags: frozenset = eqx.field(static=True, default=frozenset())
+    row_fn = property(lambda self: lambda row, x: jnp.dot(row, x))
+    chunk_size = property(lambda self: 4)
+
+    def in_structure(self):
+        return jax.ShapeDtypeStruct((self.rows.shape[1],), jnp.float32)
+
+    def apply(self, x):
+        return self.rows @ x
+
+    def apply_transpose(self, y):
+        return self.t_scale * jnp.real(self.rows.T @ y)
+
+
+def test_real_input_complex_output_operators():
+    """``Re <A x, y> = <x, A^T y>`` for a real ``x`` and a complex ``A x`` (issue #42, finding 5:
+    the complex pairing was compared with the real one, and a correct operator failed). A
+    ``RowOperator`` with complex weights on a real sky passes; a wrong transpose still fails."""
+    rng = np.random.default_rng(3)
+    rows = {"i": jnp.asarray(rng.integers(0, 5, 20), jnp.int32), "ph": jnp.asarray(rng.uniform(0, 6, 20), jnp.float32)}
+    A = chunkop.RowOperator(
+        lambda r, x: jnp.exp(1j * r["ph"]) * x[r["i"]], rows, jax.ShapeDtypeStruct((5,), jnp.float32), chunk_size=8
+    )
+    assert max(chunkop.check_linear(A).values()) < 1e-5
+    M = jnp.asarray(rng.normal(size=(12, 5)) + 1j * rng.normal(size=(12, 5)), jnp.complex64)
+    assert max(chunkop.check_linear(_ComplexRows(M)).values()) < 1e-5
+    with pytest.raises(ValueError, match=r"<A x, y>"):
+        chunkop.check_linear(_ComplexRows(M, t_scale=1.5))

@@ -118,3 +118,25 @@ def test_the_internals_pattern_catches_what_it_forbids():
     ):
         assert _INTERNAL.search(line), line
     assert not _INTERNAL.search('raise TypeError(f"got {type(x).__name__}")')
+
+
+def _module_map() -> list[str]:
+    """The modules of ``docs/design.md``'s module map, in the table's order (dotted names)."""
+    text = (SRC.parent.parent / "docs" / "design.md").read_text()
+    table = text[text.index("## Module map") :]
+    table = table[: table.index("\n## ", 1)]
+    names = []
+    for cell in re.findall(r"^\| `([\w/]+)\.py` \|", table, flags=re.M):
+        parts = ["chunkop", *cell.split("/")]
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def test_the_module_map_is_in_import_order():
+    """``docs/design.md`` says: a module imports only modules below it in the module map. Every
+    module is in the map once, and each one's imports sit below it."""
+    order = _module_map()
+    assert sorted(order) == sorted(MODULES), set(order) ^ set(MODULES)
+    position = {m: i for i, m in enumerate(order)}
+    upward = [f"{m} imports {d}" for m in order for d in sorted(GRAPH[m]) if position[d] < position[m]]
+    assert not upward, "imports above their module in design.md's map: " + "; ".join(upward)

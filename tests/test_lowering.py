@@ -82,12 +82,25 @@ def kernels() -> dict:
         "map grad": (jax.grad(lambda a: jnp.sum(mapped(a) ** 2)), (xs,)),
         "jacrev": (chunkop.jacrev(jac_f, chunk_size=CHUNK), (jac_in,)),
         "jacfwd": (chunkop.jacfwd(jac_f, chunk_size=CHUNK), (jac_in,)),
+        # the windowed layout: concrete targets, built outside the exported function (the row
+        # weights its arguments, so that its kernels are what is exported)
+        "mv windowed": (lambda w, x: windowed(rows).with_rows({**rows, "w": w}).mv(x), (rows["w"], x)),
+        "grad x windowed": (lambda w, x: jax.grad(lambda u: windowed_loss(rows, w, u, y))(x), (rows["w"], x)),
     }
+
+
+def windowed(rows: dict) -> chunkop.RowOperator:
+    return op(rows, layout="windowed")
+
+
+def windowed_loss(rows: dict, w: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.sum((windowed(rows).with_rows({**rows, "w": w}).mv(x) - y) ** 2)
 
 
 NAMES = ["mv", "T.mv", "T.mv segment", "grad x", "hvp", "grad rows"]
 NAMES += ["vmap", "vmap grad", "sum", "sum grad", "map", "map grad"]
 NAMES += ["jacrev", "jacfwd"]
+NAMES += ["mv windowed", "grad x windowed"]
 
 
 def _regions(text: str, start: int) -> list[str]:
@@ -192,3 +205,13 @@ def test_barrier_under_vmap_stays_a_conditional():
     assert barrier_conditionals(jax.export.export(f, platforms=["cpu"])(*structs).mlir_module()) >= 1
     assert barrier_conditionals(jax.export.export(f, platforms=["cuda"])(*structs).mlir_module()) == 0
     assert "conditional(" in f.lower(batch, ys).compile().as_text()
+
+
+@pytest.mark.parametrize("name", ["mv windowed", "grad x windowed"])
+def test_windowed_reads_are_chosen_per_platform(name, modules):
+    """The windowed layout reads its windows (5 rows here) by a one-hot matrix product on a TPU
+    and by a gather elsewhere (``row_layout.read_window``, ``jax.lax.platform_dependent``): the
+    TPU program has a ``dot_general`` of the window that the CUDA one lacks."""
+    tpu, cuda = modules[name][("tpu",)], modules[name][("cuda",)]
+    assert tpu.count("stablehlo.dot_general") > cuda.count("stablehlo.dot_general")
+    assert "stablehlo.gather" in cuda

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import lineax as lx
@@ -277,3 +278,20 @@ def test_stop_gradient_of_the_rows_is_fine():
     B = chunkop.RowOperator(lambda r, x: los_row(jax.lax.stop_gradient(r), x), ROWS, STRUCT, chunk_size=3)
     x = jnp.linspace(0.0, 1.0, NPIX * K).reshape(STRUCT.shape)
     assert_tree_allclose(B.mv(x), A.mv(x), n_terms=K)
+
+
+def test_jit_of_a_bound_method_says_how_to_jit_it():
+    """``jax.jit(A.mv)`` hashes the bound method's operator, whose rows are arrays: a
+    ``TypeError`` that names the forms that work (issue #42), each of which then works."""
+    rows = {"i": jnp.array([0, 1, 2]), "w": jnp.ones(3)}
+    A = chunkop.RowOperator(
+        lambda r, x: r["w"] * x[r["i"]], rows, jax.ShapeDtypeStruct((3,), jnp.float32), chunk_size=2
+    )
+    x = jnp.arange(3.0)
+    for method in (A.mv, A.T.mv):
+        with pytest.raises(TypeError, match=r"not hashable.*jax\.jit\(lambda x: A\.mv\(x\)\)"):
+            jax.jit(method)(x)
+    expected = A.mv(x)
+    np.testing.assert_array_equal(jax.jit(lambda v: A.mv(v))(x), expected)
+    np.testing.assert_array_equal(jax.jit(lambda op, v: op.mv(v))(A, x), expected)
+    np.testing.assert_array_equal(eqx.filter_jit(A.mv)(x), expected)

@@ -54,7 +54,7 @@ def test_batching_reads_nested_vmaps_and_their_dims():
 def test_batching_outside_any_vmap_and_under_grad():
     assert _budget.batching([jnp.ones(3)]).sizes == ()
     sizes = []
-    jax.vmap(jax.grad(lambda x: sizes.append(_budget.enclosing_batch([x])) or x.sum()))(jnp.ones((4, 3)))
+    jax.vmap(jax.grad(lambda x: sizes.append(_budget.batching([x]).size) or x.sum()))(jnp.ones((4, 3)))
     assert sizes == [4]
 
 

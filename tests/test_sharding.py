@@ -39,6 +39,8 @@ NAMES = [
     "operator_sharded_rows_explicit",
     "operator_sharded_rows_auto",
     "operator_windowed_sharded_rows",
+    "device_put_inputs_under_jit_and_grad_without_set_mesh",
+    "gram_diagonal_of_sharded_rows",
 ]
 
 

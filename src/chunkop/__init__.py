@@ -3,7 +3,6 @@
 from ._budget import BudgetPlan, plan
 from ._cache import clear_caches
 from ._jacobian import jacfwd, jacrev
-from ._operator import lineax_rules  # noqa: F401  (registers RowOperator with lineax)
 from ._operator.checks import check_linear
 from ._operator.gram import gram_diagonal
 from ._operator.row_operator import AbstractRowOperator, RowOperator, TransposedRowOperator

@@ -232,7 +232,7 @@ def flat_in_axes(
     return leaves, treedef, axes, paths
 
 
-def _is_symbolic(size: Any) -> bool:
+def is_symbolic(size: Any) -> bool:
     """Whether an axis size is symbolic (``jax.export`` shape polymorphism), not an integer."""
     return not isinstance(size, (int, np.integer))
 
@@ -270,7 +270,7 @@ def mapped_size(
         if axis is None:
             continue
         size = np.shape(leaf)[axis]
-        if _is_symbolic(size):
+        if is_symbolic(size):
             if chunked is not False:
                 raise ValueError(_symbolic_message(where, path, axis, size, chunked))
         else:

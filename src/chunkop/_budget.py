@@ -48,7 +48,6 @@ __all__ = [
     "plan_mode",
     "Batching",
     "batching",
-    "enclosing_batch",
     "plan_program",
     "plan_traced",
     "plan",
@@ -264,21 +263,6 @@ def batching(leaves: Sequence[Any], batch_like: Sequence[int] = ()) -> Batching:
         dims.append(tuple(at.get(id(t)) for t in order))
         structs.append(s)
     return Batching(sizes, names, tuple(dims), tuple(structs), tangent)
-
-
-def enclosing_batch(leaves: Sequence[Any]) -> int:
-    """The number of examples enclosing ``jax.vmap``s (also ``jacfwd``/``hessian``, which vmap
-    over basis vectors) run a call on at once: the product of their batch sizes, 1 outside any.
-
-    Example:
-        >>> import jax, jax.numpy as jnp
-        >>> from chunkop._budget import enclosing_batch
-        >>> sizes = []
-        >>> _ = jax.vmap(jax.vmap(lambda x: sizes.append(enclosing_batch([x])) or x))(jnp.ones((8, 4)))
-        >>> sizes
-        [32]
-    """
-    return batching(leaves).size
 
 
 def unchunked_plan(n: int, memory_budget: int | None, leaves: Sequence[Any]) -> BudgetPlan:

@@ -29,6 +29,7 @@ import numpy as np
 from . import _jaxpr
 from ._cache import register_cache
 from ._progress import Progress, progress_hook
+from ._sharding import explicit_context
 
 __all__ = [
     "ChunkPlan",
@@ -260,12 +261,6 @@ def _recomputed(run: Callable[..., list]) -> Callable[..., list]:
     return recomputed
 
 
-def _explicit_mesh_context() -> bool:
-    """Whether a ``jax.set_mesh`` context with an Explicit axis is active (at trace time)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
-
-
 def _full_chunks(
     chunk_fn: Callable[[list, int], Any],
     mapped: Sequence[jax.Array],
@@ -285,7 +280,7 @@ def _full_chunks(
     # the index read (a dynamic_update_slice of an unsharded chunk into a cotangent JAX types as
     # sharded) fails JAX's sharding checks.
     # Without remat the residuals cost far more than a copy; an empty axis has no chunk to read.
-    if remat is False or plan.size == 0 or (plan.rem == 0 and not by_index and _explicit_mesh_context()):
+    if remat is False or plan.size == 0 or (plan.rem == 0 and not by_index and explicit_context()):
         cut = plan.n_full * plan.chunk
         xs = [(x[:cut] if plan.rem else x).reshape((plan.n_full, plan.chunk) + x.shape[1:]) for x in mapped]
         apply = lambda item: chunk_fn(fusion_barrier(list(item[0]), key=item[1]), plan.chunk)

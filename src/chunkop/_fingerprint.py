@@ -26,6 +26,7 @@ run uncached: correct, compiled afresh, and never kept. The caches that hold wha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -345,8 +346,46 @@ def _hi_prim_key(prim: Any, depth: int, rule_depth: int) -> Hashable:
 # -- custom rules, keyed by what they trace to --------------------------------------------------
 
 # Rules are traced into the key this many levels deep (a rule whose own jaxpr calls a custom
-# function: that inner function's rules are keyed by identity and closure, see callable_key).
+# function: that inner function's rules are keyed by identity and closure, see callable_key) ...
 _RULE_LEVELS = 1
+# ... except a call, inside a rule, of the custom function whose rule is being keyed (JAX's
+# documented pattern: a JVP rule or forward rule that calls the primal): a back-reference to that
+# enclosing key, by depth. The user functions of the rules being keyed, outermost first:
+_KEYING: list = []
+
+
+def _user_function(fn: Any, depth: int = 0) -> Any:
+    """The user's function inside JAX's wrappers of a rule (``WrappedFun``, partials, JAX's own
+    closures), or None."""
+    if depth > 24:
+        return None
+    if isinstance(fn, _jaxpr.WrappedFun):
+        return _user_function(fn.f, depth + 1)
+    if isinstance(fn, functools.partial):
+        return _user_function(fn.func, depth + 1)
+    if isinstance(fn, types.FunctionType):
+        if not _is_jax_internal(fn):
+            return fn
+        for value in _cells(fn):
+            if _is_function_like(value) and (found := _user_function(value, depth + 1)) is not None:
+                return found
+    return None
+
+
+def _rule_function(eqn: Any) -> Any:
+    """The user's rule a ``custom_jvp_call``/``custom_vjp_call`` equation applies (its JVP rule,
+    or its backward rule), or None."""
+    p = eqn.params
+    return _user_function(p.get("jvp_jaxpr_fun", p.get("bwd")))
+
+
+@contextlib.contextmanager
+def _keying(rule: Any):
+    _KEYING.append(rule)
+    try:
+        yield
+    finally:
+        _KEYING.pop()
 
 
 def _is_inexact(aval: Any) -> bool:
@@ -425,13 +464,20 @@ _RULE_KEYS = {"custom_jvp_call": _custom_jvp_key, "custom_vjp_call": _custom_vjp
 
 def _eqn_params_key(eqn: Any, depth: int, rule_depth: int) -> Hashable:
     rule_key = _RULE_KEYS.get(eqn.primitive.name)
-    if rule_key is not None and rule_depth < _RULE_LEVELS:
-        try:
-            return rule_key(eqn, depth, rule_depth)
-        except Uncacheable:
-            raise
-        except Exception as err:  # JAX's internal params differ (another version): run uncached
-            raise Uncacheable(f"cannot key {eqn.primitive.name}: {err!r}") from err
+    if rule_key is not None:
+        rule = _rule_function(eqn)
+        if rule is not None and any(rule is r for r in _KEYING):
+            # the enclosing rule's own function called inside it: its key is being built
+            back = len(_KEYING) - max(i for i, r in enumerate(_KEYING) if r is rule)
+            return ("recursive", back, _param_key(eqn.params["call_jaxpr"], depth, rule_depth))
+        if rule_depth < _RULE_LEVELS:
+            try:
+                with _keying(rule):
+                    return rule_key(eqn, depth, rule_depth)
+            except Uncacheable:
+                raise
+            except Exception as err:  # JAX's internal params differ (another version): run uncached
+                raise Uncacheable(f"cannot key {eqn.primitive.name}: {err!r}") from err
     return tuple(sorted((k, _param_key(v, depth, rule_depth)) for k, v in eqn.params.items()))
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "callback_op_sharding",
     "eager_constant_folding",
     "eval_context",
+    "tracing",
     "is_batch_tracer",
     "is_checkpoint_answer",
     "is_forward_tracer",
@@ -329,3 +330,11 @@ def eval_context() -> Any:
 
     context = getattr(_core, "eval_context", None)
     return context() if context is not None else contextlib.nullcontext()
+
+
+def tracing() -> bool:
+    """Whether a transform is tracing now (``jax.jit``, ``jax.grad``, ``jax.vmap`` ...): where
+    ``jax.set_mesh`` refuses to run (it checks JAX's trace state, which has no public form)."""
+    from jax._src import core as _core  # the trace state: no public form
+
+    return not _core.trace_state_clean()

@@ -81,7 +81,6 @@ __all__ = [
     "ProgressBar",
     "ProgressHook",
     "check_progress",
-    "n_chunks",
     "progress_hook",
     "report_stride",
 ]
@@ -100,11 +99,6 @@ def check_progress(progress: Any, where: str) -> Progress:
         f"{where}: `progress` must be None, True/False or a callable progress(k, n) "
         f"(k chunks done out of n), got {progress!r}."
     )
-
-
-def n_chunks(plan: Any) -> int:
-    """The number of chunks of ``plan``: full chunks plus the remainder chunk, if any."""
-    return plan.n_full + (1 if plan.rem else 0)
 
 
 def report_stride(n_full: int, max_reports: int | None = None) -> int:
@@ -419,7 +413,7 @@ def _tap_jvp(primals: tuple, tangents: tuple, *, loop: _Loop, backward: bool, si
     *xs, k, shard = primals
     out = _tap(xs, k, shard, loop=loop, backward=backward, silent=silent)
     ts = list(tangents[: len(xs)])
-    use = [type(t) is not ad.Zero and _is_float(x) for t, x in zip(ts, xs)]
+    use = [not _jaxpr.is_symbolic_zero(t) and _is_float(x) for t, x in zip(ts, xs)]
     # the tangent goes through a silent tap, whose transpose (in a backward loop) reports
     return out, _tap_some(ts, use, k, shard, loop=loop, backward=backward, silent=True)
 
@@ -427,7 +421,7 @@ def _tap_jvp(primals: tuple, tangents: tuple, *, loop: _Loop, backward: bool, si
 def _tap_transpose(cts: list, *args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
     *xs, k, shard = args
     linear = [ad.is_undefined_primal(x) for x in xs]
-    use = [lin and type(c) is not ad.Zero and _is_float(x) for lin, c, x in zip(linear, cts, xs)]
+    use = [lin and not _jaxpr.is_symbolic_zero(c) and _is_float(x) for lin, c, x in zip(linear, cts, xs)]
     out = _tap_some(list(cts), use, k, shard, loop=loop, backward=not backward, silent=False)
     return [c if lin else None for c, lin in zip(out, linear)] + [None, None]
 

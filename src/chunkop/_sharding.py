@@ -16,7 +16,7 @@ detect: ``spmd_axis_name`` names the mesh axes, or use an Explicit mesh (``jax.m
 default).
 
 This module finds the mesh axes (:func:`mapped_mesh_axes`), sets their mesh as the context
-(:func:`mesh_context`) and reshards to specs (:func:`_conform`); the row-sharded kernels of
+(:func:`mesh_context`) and reshards to specs (:func:`conform`); the row-sharded kernels of
 :class:`chunkop.RowOperator` (:mod:`chunkop._operator.row_sharding`: the same device layout over
 the rows) use all three.
 """
@@ -31,6 +31,8 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from . import _jaxpr
 
 __all__ = [
     "MeshAxes",
@@ -127,18 +129,17 @@ def mapped_mesh_axes(
     return found
 
 
-def mesh_context(mesh_axes: MeshAxes, *arrays: Any) -> Any:
+def mesh_context(mesh_axes: MeshAxes) -> Any:
     """The mesh of ``mesh_axes`` as the current mesh, where none is set (sharded arrays called
     on outside a ``jax.set_mesh`` context): the chunked program's device axis is then sharded
-    over that mesh's axes by name. ``jax.set_mesh`` for a concrete mesh outside a trace; the
-    abstract mesh while tracing (``jax.jit`` refuses ``set_mesh``; ``arrays`` holds a tracer,
-    or the mesh is abstract: read off a traced array's type)."""
+    over that mesh's axes by name. ``jax.set_mesh`` for a concrete mesh when nothing is being
+    traced; the abstract mesh while anything is (``jax.set_mesh`` refuses to run under any
+    transform, ``jax.grad`` as ``jax.jit``, also for arrays closed over concretely), or when the
+    mesh is abstract (read off a traced array's type)."""
     if not jax.sharding.get_abstract_mesh().empty:
         return contextlib.nullcontext()
     mesh = mesh_axes.mesh
-    if isinstance(mesh, jax.sharding.Mesh) and not any(
-        isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(arrays)
-    ):
+    if isinstance(mesh, jax.sharding.Mesh) and not _jaxpr.tracing():
         return jax.set_mesh(mesh)
     return jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh", mesh))
 
@@ -146,7 +147,7 @@ def mesh_context(mesh_axes: MeshAxes, *arrays: Any) -> Any:
 def unsplit(leaves: list, axes: list, mesh_axes: MeshAxes) -> list:
     """The mapped leaves no longer typed as split along their mapped axis (an Explicit mesh axis
     of size 1 splits nothing: resharding moves no data), so that they chunk as on one device."""
-    if not _explicit(mesh_axes):
+    if not explicit(mesh_axes):
         return leaves
 
     def unsplit_one(x: Any, axis: int | None) -> Any:
@@ -191,14 +192,35 @@ def spec_at(axis: int, names: tuple) -> P:
 # row-sharded kernels').
 
 
-def _explicit(mesh_axes: MeshAxes) -> bool:
+def explicit(mesh_axes: MeshAxes) -> bool:
     """Whether every mesh axis of ``mesh_axes`` is Explicit (array types carry the sharding)."""
     mesh = mesh_axes.mesh
     types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
     return all(types.get(a) == jax.sharding.AxisType.Explicit for a in mesh_axes.names)
 
 
-def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
+def explicit_context() -> bool:
+    """Whether the current (abstract) mesh context, if any, has an Explicit axis: where a
+    ``jax.set_mesh`` context with Explicit axes types every array created in it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    types = getattr(mesh, "axis_types", ()) or ()
+    return not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def check_even(n: int, mesh_axes: MeshAxes, what: str) -> int:
+    """``mesh_axes``' device count, when it divides the ``n`` elements of ``what`` (a sentence's
+    subject: "chunkop.vmap: the mapped axis", "RowOperator: the rows"); else a ``ValueError``
+    saying so (the device layout splits the axis evenly)."""
+    shards = mesh_axes.n_shards
+    if n % shards:
+        raise ValueError(
+            f"{what} ({n} elements) is sharded over mesh axes {mesh_axes.names} of {shards} devices, "
+            f"which does not divide it evenly; pad it to a multiple of {shards} or shard it evenly."
+        )
+    return shards
+
+
+def conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
     """On an Explicit mesh, reshard the leaves whose sharding type differs from ``specs``
     (the device layout splits the sharded axis; e.g. lineax may hand over replicated rows).
 
@@ -210,7 +232,7 @@ def _conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
     Returns:
         ``tree``, resharded where needed; unchanged on a mesh that is not Explicit.
     """
-    if not _explicit(mesh_axes):
+    if not explicit(mesh_axes):
         return tree
 
     def fix(x: Any, spec: P) -> Any:

@@ -96,13 +96,14 @@ def eval_traced(
     operator: ``operand`` is a window of ``x``, :mod:`chunkop._operator.row_layout`).
     """
     meshless = not jax.sharding.get_abstract_mesh().empty and any(_traced_without_mesh(e) for e in jaxpr.eqns)
-    if not meshless and not reads and (not take_rows or not any(_reads_whole_rows(eqn) for eqn in jaxpr.eqns)):
-        return jax.core.eval_jaxpr(jaxpr, consts, *args)
     by_eqn = {id(jaxpr.eqns[i]): fn for i, fn in (reads or {}).items()}
 
     def rule(eqn: Any, invals: list) -> list | None:
         if id(eqn) in by_eqn:
             return [by_eqn[id(eqn)](invals[0], invals[1])]
+        if eqn.primitive.name == "closed_call":  # inline: re-bound, JAX's checker refuses its params
+            inner = eqn.params["call_jaxpr"]
+            return evaluate(inner.jaxpr, inner.consts, invals, rule)
         if take_rows and _reads_whole_rows(eqn):
             return [_take_rows(invals[0], invals[1], eqn.params["slice_sizes"][0])]
         if meshless and _traced_without_mesh(eqn):  # run in this context, not in its empty mesh
@@ -315,33 +316,6 @@ class _KeepEquation(Exception):
     """A re-bound equation would not be exact: bind the original one (its constants stay baked)."""
 
 
-def _inlinable_jit(eqn: Any) -> bool:
-    """A ``jit`` equation with a closed sub-jaxpr, no explicit sharding and no compiler option."""
-    p = eqn.params
-    return (
-        eqn.primitive.name in _JITS
-        and isinstance(p.get("jaxpr"), _jaxpr.ClosedJaxpr)
-        and all(_jaxpr.is_unspecified_sharding(s) for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
-        and not p.get("compiler_options_kvs")
-    )
-
-
-def _bodies(eqn: Any) -> list:
-    """The sub-jaxprs the inliner enters for this equation (``ClosedJaxpr`` or open ``Jaxpr``)."""
-    name, p = eqn.primitive.name, eqn.params
-    if _inlinable_jit(eqn):
-        return [p["jaxpr"]]
-    if name == "cond":
-        return list(p["branches"])
-    if name == "scan":
-        return [p["jaxpr"]]
-    if name == "while":
-        return [p["cond_jaxpr"], p["body_jaxpr"]]
-    if name in _CHECKPOINTS and isinstance(p.get("jaxpr"), _jaxpr.Jaxpr):
-        return [p["jaxpr"]]
-    return []
-
-
 def _holds_consts(jaxpr: Any, memo: dict) -> bool:
     """Whether ``jaxpr`` (closed or open) holds constants that inlining can hoist: its own (a
     closed sub-jaxpr's), or an inner jit's at any depth the inliner enters."""
@@ -402,38 +376,91 @@ def _taking_consts(bodies: list, memo: dict) -> tuple[list, list]:
     return taking, hoisted
 
 
+def _rebind_jit(eqn: Any, invals: list, memo: dict) -> list:
+    """An inner ``jit``: its body evaluated inline (its constants become the trace's)."""
+    body = eqn.params["jaxpr"]
+    return _eval_hoisting(body.jaxpr, body.consts, *invals, memo=memo)
+
+
+def _rebind_cond(eqn: Any, invals: list, memo: dict) -> list:
+    """``cond``: the branches' constants, shared, as leading operands after the index."""
+    branches, hoisted = _taking_consts(list(eqn.params["branches"]), memo)
+    index, *ops = invals
+    return eqn.primitive.bind(index, *hoisted, *ops, **dict(eqn.params, branches=tuple(branches)))
+
+
+def _rebind_scan(eqn: Any, invals: list, memo: dict) -> list:
+    """``scan``: the body's constants as more scan constants (before the others)."""
+    (body,), hoisted = _taking_consts([eqn.params["jaxpr"]], memo)
+    return eqn.primitive.bind(*hoisted, *invals, **_jaxpr.scan_params_with_consts(eqn.params, body, len(hoisted)))
+
+
+def _rebind_while(eqn: Any, invals: list, memo: dict) -> list:
+    """``while``: the condition's and the body's constants as more of their constants."""
+    p = eqn.params
+    (cond,), cond_hoisted = _taking_consts([p["cond_jaxpr"]], memo)
+    (body,), body_hoisted = _taking_consts([p["body_jaxpr"]], memo)
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+    params = dict(
+        p, cond_jaxpr=cond, body_jaxpr=body, cond_nconsts=nc + len(cond_hoisted), body_nconsts=nb + len(body_hoisted)
+    )
+    return eqn.primitive.bind(*cond_hoisted, *cond_consts, *body_hoisted, *body_consts, *carry, **params)
+
+
+def _rebind_checkpoint(eqn: Any, invals: list, memo: dict) -> list:
+    """``checkpoint``: the body's constants as leading operands (its policy and other
+    parameters kept; ``prevent_cse``, per operand where JAX sets it so, False for them)."""
+    (body,), hoisted = _taking_consts([eqn.params["jaxpr"]], memo)
+    cse = eqn.params["prevent_cse"]
+    if isinstance(cse, tuple):  # per operand, as jax.checkpoint sets it: none for constants
+        cse = (False,) * len(hoisted) + cse
+    return eqn.primitive.bind(*hoisted, *invals, **dict(eqn.params, jaxpr=body.jaxpr, prevent_cse=cse))
+
+
+class _Hoisting(NamedTuple):
+    """How the inliner treats one primitive: the sub-jaxprs it enters (from the equation's
+    parameters; ``[]``: none) and how it re-binds the equation with their constants hoisted."""
+
+    bodies: Callable[[dict], list]
+    rebind: Callable[[Any, list, dict], list]
+
+
+def _jit_bodies(p: dict) -> list:
+    """An inner ``jit`` with a closed sub-jaxpr, no explicit sharding and no compiler option (an
+    inlined jit would drop them)."""
+    inlinable = (
+        isinstance(p.get("jaxpr"), _jaxpr.ClosedJaxpr)
+        and all(_jaxpr.is_unspecified_sharding(s) for s in (*p.get("in_shardings", ()), *p.get("out_shardings", ())))
+        and not p.get("compiler_options_kvs")
+    )
+    return [p["jaxpr"]] if inlinable else []
+
+
+def _checkpoint_bodies(p: dict) -> list:
+    return [p["jaxpr"]] if isinstance(p.get("jaxpr"), _jaxpr.Jaxpr) else []
+
+
+# The inliner's rules, one entry a primitive (as JAX keeps its own per-primitive rules); any
+# other equation is bound as it is, its constants left baked.
+_HOISTING: dict[str, _Hoisting] = {
+    **{name: _Hoisting(_jit_bodies, _rebind_jit) for name in _JITS},
+    "cond": _Hoisting(lambda p: list(p["branches"]), _rebind_cond),
+    "scan": _Hoisting(lambda p: [p["jaxpr"]], _rebind_scan),
+    "while": _Hoisting(lambda p: [p["cond_jaxpr"], p["body_jaxpr"]], _rebind_while),
+    **{name: _Hoisting(_checkpoint_bodies, _rebind_checkpoint) for name in _CHECKPOINTS},
+}
+
+
+def _bodies(eqn: Any) -> list:
+    """The sub-jaxprs the inliner enters for this equation (``ClosedJaxpr`` or open ``Jaxpr``)."""
+    rule = _HOISTING.get(eqn.primitive.name)
+    return [] if rule is None else rule.bodies(eqn.params)
+
+
 def _rebind(eqn: Any, invals: list, memo: dict) -> list:
     """One equation whose bodies hold constants, on the current trace with those hoisted."""
-    name, p = eqn.primitive.name, eqn.params
-    if _inlinable_jit(eqn):
-        return _eval_hoisting(p["jaxpr"].jaxpr, p["jaxpr"].consts, *invals, memo=memo)
-    if name == "cond":
-        branches, hoisted = _taking_consts(list(p["branches"]), memo)
-        index, *ops = invals
-        return eqn.primitive.bind(index, *hoisted, *ops, **dict(p, branches=tuple(branches)))
-    if name == "scan":
-        (body,), hoisted = _taking_consts([p["jaxpr"]], memo)
-        return eqn.primitive.bind(*hoisted, *invals, **_jaxpr.scan_params_with_consts(p, body, len(hoisted)))
-    if name == "while":
-        (cond,), cond_hoisted = _taking_consts([p["cond_jaxpr"]], memo)
-        (body,), body_hoisted = _taking_consts([p["body_jaxpr"]], memo)
-        nc, nb = p["cond_nconsts"], p["body_nconsts"]
-        cond_consts, body_consts, carry = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-        params = dict(
-            p,
-            cond_jaxpr=cond,
-            body_jaxpr=body,
-            cond_nconsts=nc + len(cond_hoisted),
-            body_nconsts=nb + len(body_hoisted),
-        )
-        return eqn.primitive.bind(*cond_hoisted, *cond_consts, *body_hoisted, *body_consts, *carry, **params)
-    if name in _CHECKPOINTS:
-        (body,), hoisted = _taking_consts([p["jaxpr"]], memo)
-        cse = p["prevent_cse"]
-        if isinstance(cse, tuple):  # per operand, as jax.checkpoint sets it: none for constants
-            cse = (False,) * len(hoisted) + cse
-        return eqn.primitive.bind(*hoisted, *invals, **dict(p, jaxpr=body.jaxpr, prevent_cse=cse))
-    raise _KeepEquation
+    return _HOISTING[eqn.primitive.name].rebind(eqn, invals, memo)
 
 
 def _hoist_inner_consts(closed: Any, axis_env: list) -> Any:

@@ -42,6 +42,7 @@ from ._chunking import Remat, make_plan
 from ._fingerprint import Uncacheable, setting_key
 from ._loops import KINDS, LoopSpec, device_loop, finish_sums, make_loop, sum_dtypes
 from ._progress import Progress, check_progress
+from ._sharding import check_even
 from ._trace import CollectiveError, Traced, trace_example
 from ._tree import resized
 
@@ -257,7 +258,7 @@ class Chunked:
         if n <= 1:
             return self._record(_budget.unchunked_plan(n, self.memory_budget, leaves))
         sharded = _sharding.mapped_mesh_axes(leaves, axes, self.where, self.spmd_axis_name)
-        shards = 1 if sharded is None else self._check_even(n, sharded)
+        shards = 1 if sharded is None else check_even(n, sharded, f"{self.where}: the mapped axis")
         traced = self._trace(leaves, treedef, axes, n, shards, () if sharded is None else sharded.names)
         if traced is not None:  # (else a collective over axis_name: unchunked, last_plan says so)
             self._plan(traced, axes, n // shards, _local_structs(leaves, axes, n // shards), shards)
@@ -282,16 +283,6 @@ class Chunked:
         return jax.tree_util.tree_unflatten(tree, leaves)
 
     # -- sharded inputs: the same stages, the loop run on each device's shard ----------------------
-    def _check_even(self, n: int, mesh_axes: _sharding.MeshAxes) -> int:
-        shards = mesh_axes.n_shards
-        if n % shards:
-            raise ValueError(
-                f"{self.where}: the mapped axis (size {n}) is sharded over mesh axes {mesh_axes.names} "
-                f"of {shards} devices, which does not divide it; pad the inputs to a multiple of "
-                f"{shards} or shard them evenly."
-            )
-        return shards
-
     def _call_sharded(
         self, args: tuple, kwargs: dict, leaves: list, treedef: Any, axes: list, n: int, mesh_axes: Any
     ) -> Any:
@@ -302,7 +293,7 @@ class Chunked:
         compiled program, cached like the loops by what was traced. No ``shard_map``: ``fun``
         sees what ``jax.vmap`` shows it (closed-over mesh arrays, sharding constraints, concrete
         values in Python control flow)."""
-        shards = self._check_even(n, mesh_axes)
+        shards = check_even(n, mesh_axes, f"{self.where}: the mapped axis")
         traced = self._trace(leaves, treedef, axes, n, shards, mesh_axes.names)
         if traced is None:  # "auto" with a collective over axis_name: as jax.vmap
             return self._unchunked(args, kwargs)
@@ -311,12 +302,12 @@ class Chunked:
             if self.axis_name is not None:
                 return self._unchunked(args, kwargs)
             return self._unstaged(leaves, treedef, axes, n, spec.plan.chunk, traced.out_shapes)
-        spmd = None if _sharding._explicit(mesh_axes) else mesh_axes.names
+        spmd = None if _sharding.explicit(mesh_axes) else mesh_axes.names
         make = functools.partial(device_loop, self.kind, traced.jaxpr, traced.out_shapes, spec, shards, spmd)
         key = _loop_key(self.kind, traced.key, spec, "devices", shards, spmd, mesh_axes)
-        program = make() if key is None else cached(key, lambda: jax.jit(make()))
+        program = jax.jit(make()) if key is None else cached(key, lambda: jax.jit(make()))
         mapped = [leaves[i] for i, a in enumerate(axes) if a is not None]
-        mapped = _sharding._conform(mapped, [_sharding.spec_at(a, mesh_axes.names) for a in spec.axes], mesh_axes)
+        mapped = _sharding.conform(mapped, [_sharding.spec_at(a, mesh_axes.names) for a in spec.axes], mesh_axes)
         with _sharding.mesh_context(mesh_axes):
             out = program(traced.consts, mapped)
         return self._passed_through(out, traced)
@@ -416,7 +407,7 @@ def _run_loop(kind: str, traced: Traced, spec: LoopSpec, consts: list, mapped: l
     """Stage 5: the compiled loop of ``kind`` for ``traced`` and ``spec`` (cached when the trace
     could be keyed), run on ``consts`` and the mapped leaves."""
     make = functools.partial(make_loop, kind, traced.jaxpr, traced.out_shapes, spec)
-    loop = make() if traced.key is None else _cached_loop(kind, traced.key, spec, make)
+    loop = jax.jit(make()) if traced.key is None else _cached_loop(kind, traced.key, spec, make)
     return loop(consts, mapped)
 
 
@@ -443,6 +434,8 @@ def _loop_key(kind: str, traced_key: Hashable | None, spec: LoopSpec, *more: Any
 
 def _cached_loop(kind: str, key: Hashable, spec: LoopSpec, make: Callable[[], Callable]) -> Callable:
     """The jitted loop for ``(kind, key, spec)`` from the cache; made uncached when a setting
-    (a ``remat`` policy, a ``progress`` callable) cannot be keyed."""
+    (a ``remat`` policy, a ``progress`` callable) cannot be keyed: jitted afresh and dropped with
+    the call (run eagerly instead, its primitives would sit in JAX's own eager caches, keeping
+    what the jaxpr's rules close over alive)."""
     full_key = _loop_key(kind, key, spec)
-    return make() if full_key is None else cached(full_key, lambda: jax.jit(make()))
+    return jax.jit(make()) if full_key is None else cached(full_key, lambda: jax.jit(make()))

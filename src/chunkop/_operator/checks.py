@@ -73,24 +73,34 @@ def default_rtol(dtype: Any) -> float:
     return min(1000 * eps, eps**0.5)
 
 
-def _aligned(ax: Any, y: Any) -> Any:
+def _is_complex(tree: Any) -> bool:
+    return any(jnp.iscomplexobj(leaf) for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _aligned(ax: Any, y: Any, complex_x: bool) -> Any:
     """``y`` aligned with ``A x``: ``y_i = conj(sign((A x)_i)) |y_i|`` (times ``1j`` for a complex
-    leaf), so that every term of ``<A x, y> = sum_i |(A x)_i| |y_i|`` (times ``1j``) has one sign
-    (one phase) and the pairing does not cancel. The ``1j`` keeps an antilinear ``row_fn`` visible:
-    it turns ``<A x, y>`` into the conjugate of ``<x, A^T y>``, which differs from it only when
-    the pairing is not real."""
+    leaf when ``x`` is complex), so that every term of ``<A x, y> = sum_i |(A x)_i| |y_i|``
+    (times ``1j``) has one sign (one phase) and the pairing does not cancel. The ``1j`` keeps an
+    antilinear ``row_fn`` visible: it turns ``<A x, y>`` into the conjugate of ``<x, A^T y>``,
+    which differs from it only when the pairing is not real. (A real ``x`` has no antilinear
+    map, and its pairing is the real part: there the ``1j`` would pair to zero.)"""
 
     def one(a: jax.Array, z: jax.Array) -> jax.Array:
         v = jnp.conj(jnp.sign(a)) * jnp.abs(z)
-        return (1j * v if jnp.iscomplexobj(z) else v).astype(z.dtype)
+        return (1j * v if complex_x and jnp.iscomplexobj(z) else v).astype(z.dtype)
 
     return jax.tree_util.tree_map(one, ax, y)
 
 
 def _adjoint_error(x: Any, ax: Any, y: Any, aty: Any) -> tuple[float, float, jax.Array, jax.Array]:
     """The relative difference of ``<A x, y>`` and ``<x, A^T y>``, their cancellation
-    ``sum |terms| / |sum terms|`` (at least 1), and the two pairings."""
+    ``sum |terms| / |sum terms|`` (at least 1), and the two pairings. For a real ``x`` and a
+    complex ``A x`` the identity is ``Re <A x, y> = <x, A^T y>`` (``A^T y`` is real: the
+    transpose of a map into the complex numbers viewed as a real space): the real part is
+    compared."""
     (lhs, lhs_abs), (rhs, rhs_abs) = _pairing(ax, y), _pairing(x, aty)
+    if not _is_complex(x) and jnp.iscomplexobj(lhs):
+        lhs = jnp.real(lhs)
     size = jnp.abs(lhs) + jnp.abs(rhs)
     tiny = jnp.finfo(jnp.result_type(size)).tiny
     error = float(jnp.abs(lhs - rhs) / (size + tiny))
@@ -239,7 +249,7 @@ def check_linear(
     # Past the tolerance. Within rtol of the pairings' absolute terms (rtol * cancellation), the
     # difference is what rounding gives; the cap is there because this draw's y may cancel so
     # much that a wrong transpose hides in it too. Decide on a y that does not cancel.
-    y_aligned = _aligned(ax1, y)
+    y_aligned = _aligned(ax1, y, _is_complex(x1))
     aty_aligned = _rmv(operator, y_aligned)
     aligned, aligned_cancellation, _, _ = _adjoint_error(x1, ax1, y_aligned, aty_aligned)
     aligned_tolerance = _adjoint_tolerance(rtol, aligned_cancellation)

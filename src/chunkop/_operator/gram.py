@@ -16,6 +16,7 @@ from jax.flatten_util import ravel_pytree
 
 from .._reduce import sum as chunked_sum
 from .._tree import zeros_of
+from . import row_sharding
 from .row_operator import AbstractRowOperator, RowOperator, linear_jacobian, row_form
 
 __all__ = ["gram_diagonal"]
@@ -74,8 +75,12 @@ def gram_diagonal(
     if chunk_size is None:
         chunk_size = max(1, min(operator.chunk_size, 2**22 // max(flat_x.size, 1)))
 
-    def squared_coefficients(row: Any) -> jax.Array:
+    def squared_coefficients(row: Any, at: jax.Array) -> jax.Array:
         f = lambda v: ravel_pytree(operator.row_fn(row, unravel(v)))[0]
-        return jnp.sum(jnp.abs(linear_jacobian(f, flat_x)) ** 2, axis=0)
+        return jnp.sum(jnp.abs(linear_jacobian(f, at)) ** 2, axis=0)
 
-    return unravel(chunked_sum(squared_coefficients, chunk_size=chunk_size)(operator.rows))
+    # where the kernels run row_fn: with rows sharded over devices, each device sums its own rows
+    # (their mesh axes automatic, as row_fn was traced), then one all-reduce; `flat_x` an
+    # argument, not a closure, so that it is retyped there too
+    summed = chunked_sum(squared_coefficients, in_axes=(0, None), chunk_size=chunk_size)
+    return unravel(row_sharding.map_rows(summed, operator.rows, flat_x, reduce=True))

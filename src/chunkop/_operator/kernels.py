@@ -38,9 +38,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from .. import _jaxpr
+from .._cache import register_cache
 from .._chunking import make_plan, stack_chunks, sum_chunks
 from .._fingerprint import Uncacheable, jaxpr_key, setting_key
 from .._progress import Progress
@@ -481,7 +481,7 @@ def backward_dparams(spec: Spec, consts: Any, rows: Any, dconsts: Any, drows: An
 
 
 def _is_zero(t: Any) -> bool:
-    return isinstance(t, SymbolicZero)
+    return _jaxpr.is_symbolic_zero(t)
 
 
 def _float_tangents(primal: Any, tangent: Any) -> tuple[Any, bool]:
@@ -555,3 +555,7 @@ def apply_transpose_in_order(spec: Spec, consts: Any, rows: Any, layout: row_lay
     """``A^T y`` for ``y`` in the user's row order: :func:`apply_transpose` of ``y`` permuted
     into the sorted rows' order (:meth:`row_layout.RowLayout.to_sorted`)."""
     return apply_transpose(spec, consts, rows, layout.to_sorted(y))
+
+
+for _kernel in (apply, apply_transpose, apply_in_order, apply_transpose_in_order):
+    register_cache(_kernel.clear_cache)  # chunkop.clear_caches() drops their compiled programs too

@@ -30,8 +30,10 @@ from jax.sharding import PartitionSpec as P
 from .._cache import register_cache
 from .._sharding import (
     MeshAxes,
-    _conform,
-    _explicit,
+    check_even,
+    conform,
+    explicit,
+    explicit_context,
     join_devices,
     mapped_mesh_axes,
     mesh_context,
@@ -86,7 +88,7 @@ def traced_for_rows(make: Callable[[], Any], rows: Any) -> Any:
         ``make()``.
     """
     mesh_axes = row_mesh(rows)
-    if mesh_axes is None or not _explicit(mesh_axes):
+    if mesh_axes is None or not explicit(mesh_axes):
         return make()
     mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
     try:
@@ -112,12 +114,6 @@ def operator_mesh(op: Any) -> MeshAxes | None:
     """
     found = row_mesh(op.kernel_rows)
     return getattr(op, "mesh_axes", None) if found is None else found
-
-
-def _any_explicit(mesh: Any) -> bool:
-    """Whether ``mesh`` (a context's abstract mesh) has an Explicit axis."""
-    types = getattr(mesh, "axis_types", ()) or ()
-    return not mesh.empty and any(t == jax.sharding.AxisType.Explicit for t in types)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -157,13 +153,13 @@ def with_sharding(structs: Any, op: Any, *, rows: bool) -> Any:
         ``structs`` with those shardings.
     """
     mesh_axes = operator_mesh(op)
-    if mesh_axes is not None and _explicit(mesh_axes):
+    if mesh_axes is not None and explicit(mesh_axes):
         mesh = getattr(mesh_axes.mesh, "abstract_mesh", mesh_axes.mesh)
         row_sharded = rows and getattr(op, "out_sharding", "rows") == "rows"
         sharding = NamedSharding(mesh, spec_at(0, mesh_axes.names) if row_sharded else P())
     else:
         context = jax.sharding.get_abstract_mesh()
-        if mesh_axes is not None or not _any_explicit(context):
+        if mesh_axes is not None or not explicit_context():
             return structs
         sharding = NamedSharding(context, P())
     return jax.tree_util.tree_map(
@@ -184,19 +180,9 @@ def replicate(tree: Any, mesh_axes: MeshAxes) -> Any:
     Returns:
         ``tree``, replicated on an Explicit mesh.
     """
-    if not _explicit(mesh_axes):
+    if not explicit(mesh_axes):
         return tree
-    return _conform(tree, jax.tree_util.tree_map(lambda _: P(), tree), mesh_axes)
-
-
-def _check_even(n: int, mesh_axes: MeshAxes) -> None:
-    """Refuse ``n`` rows that the devices of ``mesh_axes`` do not divide evenly."""
-    if n % mesh_axes.n_shards:
-        raise ValueError(
-            f"RowOperator: the {n} rows are sharded over mesh axes {mesh_axes.names} of "
-            f"{mesh_axes.n_shards} devices, which does not divide them; pad the rows to a "
-            f"multiple of {mesh_axes.n_shards}."
-        )
+    return conform(tree, jax.tree_util.tree_map(lambda _: P(), tree), mesh_axes)
 
 
 def sharded_apply(
@@ -230,17 +216,18 @@ def sharded_apply(
     Returns:
         The rows of ``A x``, sharded along axis 0 like ``rows``; or ``A^T y``, replicated.
     """
-    with mesh_context(mesh_axes, consts, rows, vector):  # (the jit's cache keys on the context mesh)
+    with mesh_context(mesh_axes):  # (the jit's cache keys on the context mesh)
         return _sharded_program(
             consts, rows, vector, kernel=kernel, spec=spec, mesh_axes=mesh_axes, transpose=transpose
         )
 
 
-def map_rows(fn: Callable, rows: Any, *unmapped: Any) -> Any:
+def map_rows(fn: Callable, rows: Any, *unmapped: Any, reduce: bool = False) -> Any:
     """``fn(rows, *unmapped)``, a function that maps over the rows (every output has the rows'
     leading axis), evaluated where the operator's kernels run its rows: with rows sharded over
     devices, each device on its own rows (:func:`on_devices`, ``unmapped`` replicated, the
-    result sharded like the rows, no collective); else directly.
+    result sharded like the rows, no collective); else directly. With ``reduce``, ``fn`` sums
+    over the rows instead (no rows' axis), and the devices' sums are added (one all-reduce).
 
     For the tools that evaluate ``row_fn`` row by row (``check_linear``'s reference matvec,
     ``as_matrix``, the diagonal).
@@ -256,7 +243,7 @@ def map_rows(fn: Callable, rows: Any, *unmapped: Any) -> Any:
     mesh_axes = row_mesh(rows)
     if mesh_axes is None or mesh_axes.n_shards == 1:
         return fn(rows, *unmapped)
-    return on_devices(lambda r, u: fn(r, *u), rows, unmapped, mesh_axes)
+    return on_devices(lambda r, u: fn(r, *u), rows, unmapped, mesh_axes, reduce=reduce)
 
 
 def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes, *, reduce: bool = False) -> Any:
@@ -284,8 +271,8 @@ def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes,
         ``local``'s outputs joined along the rows, or summed over the devices.
     """
     shards, names = mesh_axes.n_shards, mesh_axes.names
-    _check_even(jax.tree_util.tree_leaves(mapped)[0].shape[0], mesh_axes)
-    mapped = _conform(mapped, _by_rows(mapped, names), mesh_axes)
+    check_even(jax.tree_util.tree_leaves(mapped)[0].shape[0], mesh_axes, "RowOperator: the rows")
+    mapped = conform(mapped, _by_rows(mapped, names), mesh_axes)
     split = lambda a: split_devices(a, 0, shards)
 
     def body(m: Any, u: Any) -> Any:
@@ -298,8 +285,8 @@ def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes,
         per = jax.vmap(local, in_axes=(0, u_axes), axis_size=shards, spmd_axis_name=names)(m, u)
         return jax.tree_util.tree_map(lambda p: p.sum(0) if reduce else join_devices(p, 0), per)
 
-    with mesh_context(mesh_axes, mapped, unmapped):
-        if _explicit(mesh_axes):
+    with mesh_context(mesh_axes):
+        if explicit(mesh_axes):
             body = jax.sharding.auto_axes(body, axes=names, out_sharding=P() if reduce else spec_at(0, names))
         return body(jax.tree_util.tree_map(split, mapped), unmapped)
 
