@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from explore_window import temp_mib, timed  # (this folder: the interleaved timing, the temp memory)
 
 import chunkop
 
@@ -56,26 +56,6 @@ def lines(n: int, n_pix: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     d = np.exp(np.log(1700.0) / 2 + rng.normal(size=n)).clip(40.0, 1700.0).astype(np.float32)
     return {"pix": rng.integers(0, n_pix, n).astype(np.int32), "d": d, "s": (0.1 * d).astype(np.float32)}
-
-
-def timed(fns: dict, rounds: int) -> dict:
-    out = {}
-    for name, f in fns.items():
-        t = time.perf_counter()
-        jax.block_until_ready(f())
-        out[name] = {"first_s": time.perf_counter() - t, "samples": []}
-    for r in range(rounds):
-        for name in list(fns) if r % 2 == 0 else list(fns)[::-1]:
-            t = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            out[name]["samples"].append(time.perf_counter() - t)
-    for v in out.values():
-        v["median_ms"] = 1e3 * statistics.median(v["samples"])
-    return out
-
-
-def temp_mib(fn, *args) -> float:
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
 
 def one_size(n: int, n_pix: int, n_bins: int, chunk, rounds: int, solve: bool, which: list) -> dict:
