@@ -8,7 +8,9 @@ passes) are live at a time. The primal is linearised once and shared by every ch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,9 +21,10 @@ from jax.flatten_util import ravel_pytree
 
 from . import _budget
 from ._axes import replace_at
+from ._transform import Bound, Chunked
 from ._vmap import vmap
 
-__all__ = ["jacrev", "jacfwd"]
+__all__ = ["jacrev", "jacfwd", "Jacobian"]
 
 
 def _is_int(a: Any) -> bool:
@@ -135,43 +138,7 @@ def jacrev(
                [0., 1., 0.],
                [0., 0., 1.]], dtype=float32)
     """
-    where = "chunkop.jacrev"
-    chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=where)
-
-    @functools.wraps(fun)
-    def jac(*args: Any, **kwargs: Any) -> Any:
-        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=False, holomorphic=holomorphic)
-        if has_aux:
-            out, pullback, aux = jax.vjp(f, *dyn, has_aux=True)
-        else:
-            out, pullback = jax.vjp(f, *dyn)
-        if holomorphic:
-            _check_complex(out, where, "outputs")
-        else:
-            _check_float(out, where, "outputs", real=True)
-        flat_out, unravel = ravel_pytree(out)
-        m = flat_out.size
-        types = jax.tree_util.tree_map(jax.typeof, out)
-        pull = vmap(
-            lambda i: pullback(_basis(i, m, flat_out.dtype, unravel, types)),
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-        )
-        rows = pull(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
-        jac.last_plan = pull.last_plan
-        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
-        blocks, offset = [], 0
-        for o in out_leaves:
-            blocks.append(
-                jax.tree_util.tree_map(lambda r, o=o, s=offset: r[s : s + o.size].reshape(o.shape + r.shape[1:]), rows)
-            )
-            offset += o.size
-        blocks = [b[0] if _is_int(argnums) else b for b in blocks]
-        result = jax.tree_util.tree_unflatten(out_tree, blocks)
-        return (result, aux) if has_aux else result
-
-    _plannable(jac, chunk_size)
-    return jac
+    return Jacobian(fun, argnums, chunk_size, has_aux, holomorphic, memory_budget, forward=False)
 
 
 def jacfwd(
@@ -205,28 +172,113 @@ def jacfwd(
                [0., 2., 0.],
                [0., 0., 4.]], dtype=float32)
     """
-    where = "chunkop.jacfwd"
-    chunk_size = _budget.check_chunk_size_or_auto(chunk_size, allow_none=False, where=where)
+    return Jacobian(fun, argnums, chunk_size, has_aux, holomorphic, memory_budget, forward=True)
 
-    @functools.wraps(fun)
-    def jac(*args: Any, **kwargs: Any) -> Any:
-        f, dyn = _differentiated(fun, args, kwargs, argnums, where, real=True, holomorphic=holomorphic)
-        if has_aux:
+
+_LAST_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WRAPPED = ("__module__", "__name__", "__qualname__", "__doc__")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Jacobian:
+    """``chunkop.jacrev`` (``forward=False``) or ``chunkop.jacfwd`` of ``fun``: an immutable
+    transform, like :class:`chunkop._transform.Chunked` (``fun``'s name, docstring and module
+    copied, ``__wrapped__`` is ``fun``, none of its other attributes; binds as a method; the plan
+    of its last ``"auto"`` call kept beside it, ``last_plan``)."""
+
+    fun: Callable
+    argnums: int | Sequence[int]
+    chunk_size: int | str
+    has_aux: bool
+    holomorphic: bool
+    memory_budget: int | None
+    forward: bool
+
+    def __post_init__(self) -> None:
+        chunk_size = _budget.check_chunk_size_or_auto(self.chunk_size, allow_none=False, where=self.where)
+        object.__setattr__(self, "chunk_size", chunk_size)
+        for name in _WRAPPED:
+            if hasattr(self.fun, name):
+                object.__setattr__(self, name, getattr(self.fun, name))
+        object.__setattr__(self, "__wrapped__", self.fun)
+
+    @property
+    def where(self) -> str:
+        return "chunkop.jacfwd" if self.forward else "chunkop.jacrev"
+
+    @property
+    def last_plan(self) -> _budget.BudgetPlan | None:
+        """The :class:`chunkop.BudgetPlan` of the last ``chunk_size="auto"`` call; None before any."""
+        return _LAST_PLANS.get(self)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """As a function's: looked up on an instance, the Jacobian bound to it."""
+        return self if instance is None else Bound(self, instance)
+
+    def plan_for(self, args: tuple, kwargs: dict) -> _budget.BudgetPlan:
+        """The plan a call would make (``chunkop.plan``; cached), running nothing.
+
+        Raises:
+            TypeError: when it was not made with ``chunk_size="auto"``.
+        """
+        if self.chunk_size != "auto":
+            raise _budget.not_planned(self)
+        jax.eval_shape(functools.partial(self, **kwargs), *args)
+        return self.last_plan
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fwd(args, kwargs) if self.forward else self._rev(args, kwargs)
+
+    def _chunked(self, fn: Callable) -> Chunked:
+        return vmap(fn, chunk_size=self.chunk_size, memory_budget=self.memory_budget)
+
+    def _rev(self, args: tuple, kwargs: dict) -> Any:
+        f, dyn = _differentiated(
+            self.fun, args, kwargs, self.argnums, self.where, real=False, holomorphic=self.holomorphic
+        )
+        if self.has_aux:
+            out, pullback, aux = jax.vjp(f, *dyn, has_aux=True)
+        else:
+            out, pullback = jax.vjp(f, *dyn)
+        if self.holomorphic:
+            _check_complex(out, self.where, "outputs")
+        else:
+            _check_float(out, self.where, "outputs", real=True)
+        flat_out, unravel = ravel_pytree(out)
+        m = flat_out.size
+        types = jax.tree_util.tree_map(jax.typeof, out)
+        pull = self._chunked(lambda i: pullback(_basis(i, m, flat_out.dtype, unravel, types)))
+        rows = pull(jnp.arange(m))  # tuple over argnums; leaves (m, *arg_leaf_shape)
+        if pull.last_plan is not None:
+            _LAST_PLANS[self] = pull.last_plan
+        out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+        blocks, offset = [], 0
+        for o in out_leaves:
+            blocks.append(
+                jax.tree_util.tree_map(lambda r, o=o, s=offset: r[s : s + o.size].reshape(o.shape + r.shape[1:]), rows)
+            )
+            offset += o.size
+        blocks = [b[0] if _is_int(self.argnums) else b for b in blocks]
+        result = jax.tree_util.tree_unflatten(out_tree, blocks)
+        return (result, aux) if self.has_aux else result
+
+    def _fwd(self, args: tuple, kwargs: dict) -> Any:
+        f, dyn = _differentiated(
+            self.fun, args, kwargs, self.argnums, self.where, real=True, holomorphic=self.holomorphic
+        )
+        if self.has_aux:
             out, pushforward, aux = jax.linearize(f, *dyn, has_aux=True)
         else:
             out, pushforward = jax.linearize(f, *dyn)
-        if holomorphic:
-            _check_complex(out, where, "outputs")
+        if self.holomorphic:
+            _check_complex(out, self.where, "outputs")
         flat_in, unravel = ravel_pytree(dyn)
         n = flat_in.size
         types = jax.tree_util.tree_map(jax.typeof, dyn)
-        push = vmap(
-            lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel, types)),
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-        )
+        push = self._chunked(lambda i: pushforward(*_basis(i, n, flat_in.dtype, unravel, types)))
         cols = push(jnp.arange(n))  # output tree; leaves (n, *out_leaf_shape)
-        jac.last_plan = push.last_plan
+        if push.last_plan is not None:
+            _LAST_PLANS[self] = push.last_plan
         in_leaves, in_tree = jax.tree_util.tree_flatten(dyn)
 
         def split(c: jax.Array) -> Any:
@@ -237,24 +289,7 @@ def jacfwd(
                 parts.append(c[..., offset : offset + size].reshape(c.shape[:-1] + jnp.shape(leaf)))
                 offset += size
             tree = jax.tree_util.tree_unflatten(in_tree, parts)
-            return tree[0] if _is_int(argnums) else tree
+            return tree[0] if _is_int(self.argnums) else tree
 
         result = jax.tree_util.tree_map(split, cols)
-        return (result, aux) if has_aux else result
-
-    _plannable(jac, chunk_size)
-    return jac
-
-
-def _plannable(jac: Callable, chunk_size: Any) -> None:
-    """Give ``jac`` (made by :func:`jacrev` / :func:`jacfwd`) what ``chunkop.plan`` reads: its
-    ``plan_for(args, kwargs)``, which plans (cached) what a call would, running nothing; and
-    ``last_plan``, the plan of its last call."""
-
-    def plan_for(args: tuple, kwargs: dict) -> _budget.BudgetPlan:
-        if chunk_size != "auto":
-            raise _budget.not_planned(jac)
-        jax.eval_shape(functools.partial(jac, **kwargs), *args)
-        return jac.last_plan
-
-    jac.chunk_size, jac.last_plan, jac.plan_for = chunk_size, None, plan_for
+        return (result, aux) if self.has_aux else result

@@ -18,6 +18,7 @@ the wrapper is never re-entered.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Hashable
@@ -46,7 +47,7 @@ from ._sharding import check_even
 from ._trace import CollectiveError, Traced, trace_example
 from ._tree import resized
 
-__all__ = ["BoundChunked", "Chunked"]
+__all__ = ["Bound", "Chunked"]
 
 #: The plan of each transform's last ``chunk_size="auto"`` call (read by ``Chunked.last_plan``):
 #: kept beside the transforms, which are immutable, and dropped with them.
@@ -55,12 +56,13 @@ _LAST_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WRAPPED = ("__module__", "__name__", "__qualname__", "__doc__")
 
 
+@dataclasses.dataclass(init=False, eq=False, repr=False)
 class Chunked:
     """``fun`` mapped over an axis in chunks; ``kind`` says how the chunk outputs combine.
 
     Immutable once made; a descriptor like a function, so a transform defined in a class body
     (``@functools.partial(chunkop.vmap, in_axes=(None, 0))`` on a method) binds the instance as
-    its first argument, as ``jax.vmap`` does (:class:`BoundChunked`). ``fun``'s name, docstring
+    its first argument, as ``jax.vmap`` does (:class:`Bound`). ``fun``'s name, docstring
     and module are copied (``__wrapped__`` is ``fun``), not its ``__dict__``: the transform's
     attributes (``fun``, ``in_axes`` ...) would otherwise be overwritten by those of a wrapped
     transform or of any callable object with attributes.
@@ -70,6 +72,21 @@ class Chunked:
         where: the public name, for messages (``"chunkop.vmap"`` ...).
         last_plan: the :class:`chunkop.BudgetPlan` of the last ``chunk_size="auto"`` call.
     """
+
+    # declared (set once, checked, by __init__; never again: __setattr__ refuses)
+    fun: Callable
+    kind: str
+    where: str
+    arg_names: tuple
+    in_axes: Any
+    out_axes: Any
+    chunk_size: int | str | None
+    memory_budget: int | None
+    axis_name: Hashable | None
+    axis_size: int | None
+    spmd_axis_name: Any
+    remat: Remat
+    progress: Progress
 
     def __init__(
         self,
@@ -123,7 +140,7 @@ class Chunked:
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """As a function's: looked up on an instance, the transform bound to it."""
-        return self if instance is None else BoundChunked(self, instance)
+        return self if instance is None else Bound(self, instance)
 
     def __repr__(self) -> str:
         return f"<{self.where} of {getattr(self, '__qualname__', self.fun)!s}, chunk_size={self.chunk_size!r}>"
@@ -375,10 +392,11 @@ class Chunked:
         return jax.tree_util.tree_unflatten(out_tree, finish_sums(totals, self.kind, n, final))
 
 
-class BoundChunked:
-    """A :class:`Chunked` transform bound to an instance (``Chunked.__get__``), as a method is:
-    called, it passes the instance as the first argument (mapped as ``in_axes``' first entry
-    says). Its other attributes (``last_plan``, ``chunk_size`` ...) are the transform's."""
+class Bound:
+    """A transform (a :class:`Chunked`, a ``chunkop.jacrev``/``jacfwd``) bound to an instance
+    (their ``__get__``), as a method is: called, it passes the instance as the first argument
+    (for a :class:`Chunked`, mapped as ``in_axes``' first entry says). Its other attributes
+    (``last_plan``, ``chunk_size`` ...) are the transform's."""
 
     __slots__ = ("__func__", "__self__", "__weakref__")
 
@@ -390,14 +408,14 @@ class BoundChunked:
         return self.__func__(self.__self__, *args, **kwargs)
 
     def plan_for(self, args: tuple, kwargs: dict) -> _budget.BudgetPlan:
-        """:meth:`Chunked.plan_for` with the instance as the first argument (``chunkop.plan``)."""
+        """The transform's ``plan_for`` with the instance as the first argument (``chunkop.plan``)."""
         return self.__func__.plan_for((self.__self__, *args), kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__func__, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"a bound chunked transform is immutable; cannot set {name!r}.")
+        raise AttributeError(f"a bound transform is immutable; cannot set {name!r}.")
 
     def __repr__(self) -> str:
         return f"<bound {self.__func__!r} of {self.__self__!r}>"
