@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import transform_registry as registry
 from _params import grid
 from _tolerance import rtol_for
 from conftest import CompileCounter, assert_tree_allclose, count_eqns, primitive_names
@@ -296,3 +297,37 @@ def test_repeated_eager_calls_trace_once_and_compile_once():
     with CompileCounter() as compiles:
         f(X[:5], w)
     assert compiles.count > 0
+
+
+def _float_loss(fun, vmap_fn, kwargs, options):
+    """``sum(sin(out))`` over the float (real) output leaves of the mapped ``fun``."""
+
+    def loss(*args):
+        out = vmap_fn(fun, **options)(*args, **kwargs)
+        leaves = [o for o in jax.tree_util.tree_leaves(out) if jnp.issubdtype(jnp.result_type(o), jnp.floating)]
+        return sum((jnp.sum(jnp.sin(jnp.asarray(o, jnp.float32))) for o in leaves), jnp.float32(0))
+
+    return loss
+
+
+def _float_argnums(args: tuple) -> tuple:
+    """The positional arguments whose leaves (at least one) are all real floats."""
+    floats = lambda a: (
+        jax.tree_util.tree_leaves(a)
+        and all(np.issubdtype(np.asarray(leaf).dtype, np.floating) for leaf in jax.tree_util.tree_leaves(a))
+    )
+    return tuple(i for i, a in enumerate(args) if floats(a))
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(registry.CASES) if _float_argnums(registry.CASES[c][1])])
+def test_grad_of_every_registry_case_matches_jax_vmap(case):
+    """The shared registry (``transform_registry.py``): the gradient of a loss of each case's
+    float outputs w.r.t. its float arguments, chunked (3: two chunks and a remainder of 2)
+    against ``jax.vmap``."""
+    fun, args, kwargs, options = registry.CASES[case]
+    floats = _float_argnums(args)
+    kwargs = kwargs or {}
+    ref = jax.grad(_float_loss(fun, jax.vmap, kwargs, options), argnums=floats)(*args)
+    chunked = lambda f, **o: chunkop.vmap(f, chunk_size=3, **o)
+    got = jax.grad(_float_loss(fun, chunked, kwargs, options), argnums=floats)(*args)
+    assert_tree_allclose(got, ref, n_terms=registry.N * 5)
