@@ -77,6 +77,28 @@ def collectives(fn, *args):
     return re.findall(r"= [^ ]+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", hlo)
 
 
+def collectives_in_loops(fn, *args):
+    """The collectives of ``fn``'s compiled program that run inside a loop (a while body, or a
+    computation one calls): one per iteration, where a single one at the end would do."""
+    hlo = jax.jit(fn).lower(*args).compile().as_text()
+    comps = {}
+    for block in re.split(r"\n(?=(?:ENTRY )?%[^ ]+ \()", hlo):
+        m = re.match(r"(?:ENTRY )?%([^ ]+) \(", block)
+        if m:
+            comps[m.group(1)] = block
+    called = lambda text: re.findall(r"(?:body|condition|to_apply|calls|branch_computations)=\{?%([\w.\-]+)", text)
+    todo = [b for text in comps.values() for b in re.findall(r"body=%([\w.\-]+)", text)]
+    seen = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += called(comps[name])
+    pattern = r"= [^ ]+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\("
+    return [(name, op) for name in sorted(seen) for op in re.findall(pattern, comps[name])]
+
+
 def scan_lengths(fn, *args):
     """The ``length`` of every scan in ``fn``'s jaxpr: with the mapped axis sharded, each device
     scans its own shard's chunks (with :func:`collectives`: and reads no other device's rows)."""
@@ -460,6 +482,29 @@ def sum_mean_values_grad_one_allreduce():
                 close(jax.jit(jax.grad(s))(w, x), gref, rtol=1e-4, atol=1e-5)
                 if kind == "explicit":  # one all-reduce of the per-device sums, nothing else
                     assert collectives(s, w, x) == ["all-reduce"], (c, collectives(s, w, x))
+
+
+@check
+def grad_of_unmapped_parameters_one_allreduce_per_call():
+    """The gradient w.r.t. an unmapped parameter of a loss over a sharded mapped axis: each device
+    sums its chunks' cotangents in its own loop, and one all-reduce adds the devices' sums at the
+    end. Before (issue #42, the transforms' device layout apart from the operators'): on an
+    Explicit mesh, one all-reduce per chunk, inside the loop."""
+    w, xs = data(3)
+    loss = lambda w, x: (f(w, x) ** 2).sum()
+    gref = jax.grad(lambda w: jax.vmap(loss, (None, 0))(w, xs).sum())(w)
+    for kind, spmd in (("explicit", None), ("auto", "d")):
+        mesh = mesh_of(kind)
+        with jax.set_mesh(mesh):
+            x = jax.device_put(xs, NamedSharding(mesh, P("d")))
+            for transform in (chunkop.sum, chunkop.vmap):
+                chunked = transform(loss, (None, 0), chunk_size=4, spmd_axis_name=spmd)
+                total = (lambda w, x: chunked(w, x)) if transform is chunkop.sum else (lambda w, x: chunked(w, x).sum())
+                g = jax.grad(total)
+                close(jax.jit(g)(w, x), gref, rtol=1e-4, atol=1e-5)
+                assert scan_lengths(g, w, x) and max(scan_lengths(g, w, x)) == N // 4 // 4, scan_lengths(g, w, x)
+                assert collectives_in_loops(g, w, x) == [], (kind, transform.__name__, collectives_in_loops(g, w, x))
+                assert collectives(g, w, x) == ["all-reduce"], (kind, transform.__name__, collectives(g, w, x))
 
 
 @check

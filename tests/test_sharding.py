@@ -33,6 +33,7 @@ NAMES = [
     "map_sharded",
     "sum_mean_values_grad_one_allreduce",
     "sum_spmd_axis_name_auto_under_jit",
+    "grad_of_unmapped_parameters_one_allreduce_per_call",
     "operator_row_fn_sees_the_mesh",
     "operator_segment_transpose_sharded_rows",
     "operator_eager_calls_compile_once_per_key",

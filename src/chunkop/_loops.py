@@ -11,7 +11,6 @@ keeps no user function alive. Three kinds:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 
 from ._chunking import ChunkPlan, Remat, accumulation_dtype, stack_chunks, sum_chunks
 from ._progress import Progress
-from ._sharding import join_devices, per_dim, split_devices
+from ._sharding import MeshAxes, on_devices
 from ._trace import eval_traced
 
 __all__ = ["KINDS", "LoopSpec", "device_loop", "finish_sums", "make_loop", "result_dtype", "sum_dtypes"]
@@ -150,67 +149,49 @@ def _accumulation(jaxpr: Any, spec: LoopSpec, acc: list) -> Callable[[list, list
 
 
 def device_loop(
-    kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec, shards: int, spmd_names: tuple | None
+    kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec, mesh_axes: MeshAxes
 ) -> Callable[[list, list], Any]:
-    """The chunk loop over mapped leaves whose mapped axis is split over ``shards`` devices.
-
-    Each mapped leaf's axis of ``shards * spec.plan.size`` elements is reshaped to ``(shards,
-    spec.plan.size)`` (free: the device axis is the sharded, major one), and the loop of one
-    device's shard (``spec``: its plan, chunks of that shard) runs under ``jax.vmap`` over the
-    device axis, so XLA's partitioner gives each device its own loop over its own rows; no
-    ``shard_map``, so ``fun`` runs in the caller's mesh context and sees what ``jax.vmap`` shows
-    it. Stacked outputs are merged back along their ``out_axes`` (sharded like the inputs);
-    sums add the devices' running sums (one all-reduce) before ``"mean"`` divides.
+    """The chunk loop over mapped leaves whose mapped axis is sharded over ``mesh_axes``: the loop
+    of one device's shard run by every device on its own (the device layout,
+    :func:`chunkop._sharding.on_devices`: ``fun`` sees what ``jax.vmap`` shows it; the
+    constants' cotangents sum on each device and are added once at the end). Stacked outputs
+    are joined back along their ``out_axes`` (sharded like the inputs); sums add the devices'
+    running sums (one all-reduce) before ``"mean"`` divides.
 
     Args:
         kind, jaxpr, out_shapes: as :func:`make_loop`.
         spec: the loop of one device's shard (``spmd_axis_name`` None: its chunks are local;
-            ``devices``: ``shards``).
-        shards: the number of devices along the mapped axis.
-        spmd_names: the mesh axes the device axis is sharded over, passed as ``jax.vmap``'s
-            ``spmd_axis_name`` (on an Auto mesh); None where the arrays' types carry it
-            (an Explicit mesh).
+            ``devices``: the number of devices).
+        mesh_axes: the mesh axes the mapped axis is sharded over.
 
     Returns:
         ``(consts, mapped_leaves) -> result``, on the whole (sharded) leaves.
     """
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
-    local = spec.plan.size
-    split = lambda x, a: split_devices(x, a, shards)
-    vmap = functools.partial(jax.vmap, axis_size=shards, spmd_axis_name=spmd_names)
+    shards = mesh_axes.n_shards
     if kind == "stack":
-        oaxes = list(spec.out_axes)
         per_device = make_loop(kind, jaxpr, out_shapes, spec)
 
         def loop(consts: list, mapped: list) -> Any:
-            flat = lambda *m: jax.tree_util.tree_leaves(per_device(consts, list(m)))
-            outs = vmap(flat, in_axes=list(spec.axes), out_axes=oaxes)(*map(split, mapped, spec.axes))
-            merged = [o if a is None else join_devices(o, a) for o, a in zip(outs, oaxes)]
-            return jax.tree_util.tree_unflatten(out_tree, merged)
+            local = lambda m, c, _: jax.tree_util.tree_leaves(per_device(c, m))
+            oaxes = list(spec.out_axes)
+            spread = None not in oaxes  # (on_devices: a carried output keeps the constants whole)
+            outs = on_devices(local, mapped, spec.axes, consts, mesh_axes, out_axes=oaxes, spread=spread)
+            return jax.tree_util.tree_unflatten(out_tree, outs)
 
         return loop
     final, acc = sum_dtypes(kind, out_leaves)
     accumulate = _accumulation(jaxpr, spec, acc)
 
     def loop(consts: list, mapped: list) -> Any:
-        # The running sums start batched over the devices (created here, not broadcast by the
-        # scan's batching rule inside the loop: jax 0.10 loses the mesh there on Explicit meshes).
+        # The running sums start per device (created here, not broadcast by the scan's batching
+        # rule inside the loop: jax 0.10 loses the mesh there on Explicit meshes).
         init = _zero_sums(out_leaves, acc, (shards,))
-        if spmd_names is None and mapped:
-            init = [jax.sharding.reshard(z, _leading_like(mapped[0], spec.axes[0], z.ndim)) for z in init]
-        per = vmap(lambda m, i: accumulate(consts, m, i), in_axes=(list(spec.axes), 0))(
-            list(map(split, mapped, spec.axes)), init
-        )
-        total = [jnp.sum(p, axis=0, dtype=d) for p, d in zip(per, acc)]
-        return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, shards * local, final))
+        local = lambda m, c, i: accumulate(c, m, i)
+        total = on_devices(local, mapped, spec.axes, consts, mesh_axes, reduce=True, per_device=init)
+        return jax.tree_util.tree_unflatten(out_tree, finish_sums(total, kind, shards * spec.plan.size, final))
 
     return loop
-
-
-def _leading_like(x: jax.Array, axis: int, ndim: int) -> Any:
-    """The spec sharding a leading axis as ``x`` (its type) shards its ``axis``, for ``ndim`` dims."""
-    spec = per_dim(jax.typeof(x).sharding.spec, axis + 1)
-    return jax.sharding.PartitionSpec(spec[axis], *([None] * (ndim - 1)))
 
 
 def make_loop(kind: str, jaxpr: Any, out_shapes: Any, spec: LoopSpec) -> Callable[[list, list], Any]:

@@ -16,26 +16,29 @@ detect: ``spmd_axis_name`` names the mesh axes, or use an Explicit mesh (``jax.m
 default).
 
 This module finds the mesh axes (:func:`mapped_mesh_axes`), sets their mesh as the context
-(:func:`mesh_context`) and reshards to specs (:func:`conform`); the row-sharded kernels of
-:class:`chunkop.RowOperator` (:mod:`chunkop._operator.row_sharding`: the same device layout over
-the rows) use all three.
+(:func:`mesh_context`), reshards to specs (:func:`conform`) and runs the one device layout
+(:func:`on_devices`) that both the transforms' loops and the row-sharded kernels of
+:class:`chunkop.RowOperator` (:mod:`chunkop._operator.row_sharding`) run in.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from . import _jaxpr
+from ._tree import is_float
 
 __all__ = [
     "MeshAxes",
+    "on_devices",
     "mapped_mesh_axes",
     "per_dim",
     "spec_at",
@@ -247,3 +250,126 @@ def conform(tree: Any, specs: Any, mesh_axes: MeshAxes) -> Any:
         return jax.sharding.reshard(x, NamedSharding(mesh_axes.mesh, spec))
 
     return jax.tree_util.tree_map(fix, tree, specs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The device layout, one for both layers: the transforms' loops over a sharded mapped axis
+# (``chunkop._loops.device_loop``) and a RowOperator's kernels over sharded rows
+# (``chunkop._operator.row_sharding``).
+
+
+def on_devices(
+    local: Callable,
+    mapped: Sequence[Any],
+    axes: Sequence[int],
+    unmapped: Any,
+    mesh_axes: MeshAxes,
+    *,
+    out_axes: Any = 0,
+    reduce: bool = False,
+    per_device: Sequence[Any] = (),
+    automatic: bool = False,
+    spread: bool = True,
+    what: str = "the sharded axis",
+) -> Any:
+    """``local(mapped_shard, unmapped, per_device)`` run by each device on its own shard of ``mapped``.
+
+    The device layout: each array of ``mapped`` (its ``axes[i]`` of ``n`` elements sharded over
+    ``mesh_axes``) is reshaped to ``(devices, n / devices)`` at that axis (free: the device axis is
+    the sharded, major one) and ``local`` runs under ``jax.vmap`` over the device axis, so XLA's
+    partitioner gives each device its own call on its own shard. No ``shard_map``: ``local`` runs
+    in the caller's mesh context.
+
+    One policy for what every device reads whole: the floating-point leaves of ``unmapped`` enter
+    broadcast over the device axis (each device holds its one copy, as replicated), so that under
+    reverse mode their cotangents sum on each device, inside its own loop, and the devices' sums
+    are added once at the end (one all-reduce per call, not one per chunk of a loop's transpose);
+    the other leaves (integers, keys; arrays typed on another mesh) enter unbatched, as do all
+    with ``spread=False``.
+
+    Args:
+        local: ``local(shards, unmapped, per_device) -> outputs`` (a pytree) on one device.
+        mapped: arrays sharded along ``axes`` (resharded to that spec on an Explicit mesh).
+        axes: the sharded axis of each array of ``mapped``.
+        unmapped: a pytree every device reads whole.
+        mesh_axes: the mesh axes the mapped axis is sharded over.
+        out_axes: where each output's device axis is joined (an int, or a pytree prefix of the
+            outputs; None: an output that must not vary, device 0's copy), unless ``reduce``.
+        reduce: sum every output over the devices instead (one all-reduce; replicated).
+        per_device: arrays with a leading device axis already (``(devices, ...)``, e.g. running
+            sums that start per device), resharded along it on an Explicit mesh.
+        automatic: run ``local`` with the mesh axes automatic on an Explicit mesh
+            (``jax.sharding.auto_axes``): for a ``row_fn`` that gathers a replicated ``x`` by
+            row-sharded indices, which JAX's sharding types refuse and the partitioner places
+            locally (its outputs then join along axis 0). Without it, ``local`` sees the arrays'
+            Explicit types, as ``jax.vmap`` shows them.
+        spread: broadcast ``unmapped``'s floats over the devices (above); False for a loop
+            with an output that must not vary (``out_axes=None``): carried through its chunks,
+            a batched value there would need the scan to broadcast its start inside the devices'
+            ``vmap``, where JAX 0.10 loses an Explicit mesh.
+        what: the sharded axis, for the uneven-split error (:func:`check_even`).
+
+    Returns:
+        ``local``'s outputs, joined along ``out_axes`` (sharded like ``mapped``) or summed.
+    """
+    shards, names = mesh_axes.n_shards, mesh_axes.names
+    mapped = list(mapped)
+    if mapped:
+        check_even(mapped[0].shape[axes[0]], mesh_axes, what)
+    mapped = conform(mapped, [spec_at(a, names) for a in axes], mesh_axes)
+    per_device = conform(list(per_device), [spec_at(0, names)] * len(per_device), mesh_axes)
+    auto = automatic and explicit(mesh_axes)
+    # (Explicit types carry the device axis' sharding; elsewhere spmd_axis_name names it)
+    spmd = names if auto or not explicit(mesh_axes) else None
+
+    def body(mapped: list, unmapped: Any, per_device: list) -> Any:
+        floats = jax.tree_util.tree_map(lambda v: spread and _spreadable(v, mesh_axes), unmapped)
+        u_axes = jax.tree_util.tree_map(lambda f: 0 if f else None, floats)
+
+        def broadcast(v: Any, f: bool) -> Any:
+            if not f:
+                return v
+            shape = (shards, *jnp.shape(v))
+            if auto or not explicit(mesh_axes):
+                return jnp.broadcast_to(v, shape)
+            # typed split over the devices from the start: its transpose is one all-reduce
+            rest = per_dim(jax.typeof(v).sharding.spec, jnp.ndim(v))
+            spec = P(*spec_at(0, names), *rest)
+            return jnp.broadcast_to(v, shape, out_sharding=NamedSharding(mesh_axes.mesh, spec))
+
+        unmapped = jax.tree_util.tree_map(broadcast, unmapped, floats)
+        split = [split_devices(x, a, shards) for x, a in zip(mapped, axes)]
+        per = jax.vmap(local, in_axes=(list(axes), u_axes, 0), axis_size=shards, spmd_axis_name=spmd)(
+            split, unmapped, per_device
+        )
+        if reduce:
+            return jax.tree_util.tree_map(lambda p: p.sum(0, dtype=p.dtype), per)
+        joins = jax.tree_util.tree_map(lambda _: out_axes, per) if not _is_tree(out_axes) else out_axes
+        return jax.tree_util.tree_map(
+            lambda a, p: p[0] if a is None else join_devices(jnp.moveaxis(p, 0, a), a),
+            joins,
+            per,
+            is_leaf=lambda a: a is None,
+        )
+
+    with mesh_context(mesh_axes):
+        if auto:
+            specs = P() if reduce else spec_at(0, names)
+            body = jax.sharding.auto_axes(body, axes=names, out_sharding=specs)
+        return body(mapped, unmapped, per_device)
+
+
+def _spreadable(v: Any, mesh_axes: MeshAxes) -> bool:
+    """Whether ``v`` enters the device layout broadcast over the devices: a float array on no
+    mesh or on one with ``mesh_axes``' axis types (JAX refuses to broadcast an array typed on an
+    Auto mesh under an Explicit context)."""
+    if not is_float(v):
+        return False
+    mesh = getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty:
+        return True
+    return tuple(getattr(mesh, "axis_types", ())) == tuple(getattr(mesh_axes.mesh, "axis_types", ()))
+
+
+def _is_tree(out_axes: Any) -> bool:
+    return not (out_axes is None or isinstance(out_axes, int))

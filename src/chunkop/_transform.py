@@ -319,9 +319,8 @@ class Chunked:
             if self.axis_name is not None:
                 return self._unchunked(args, kwargs)
             return self._unstaged(leaves, treedef, axes, n, spec.plan.chunk, traced.out_shapes)
-        spmd = None if _sharding.explicit(mesh_axes) else mesh_axes.names
-        make = functools.partial(device_loop, self.kind, traced.jaxpr, traced.out_shapes, spec, shards, spmd)
-        key = _loop_key(self.kind, traced.key, spec, "devices", shards, spmd, mesh_axes)
+        make = functools.partial(device_loop, self.kind, traced.jaxpr, traced.out_shapes, spec, mesh_axes)
+        key = _loop_key(self.kind, traced.key, spec, "devices", mesh_axes)
         program = jax.jit(make()) if key is None else cached(key, lambda: jax.jit(make()))
         mapped = [leaves[i] for i, a in enumerate(axes) if a is not None]
         mapped = _sharding.conform(mapped, [_sharding.spec_at(a, mesh_axes.names) for a in spec.axes], mesh_axes)

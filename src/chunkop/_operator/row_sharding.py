@@ -1,10 +1,10 @@
 """A ``RowOperator`` whose rows are sharded over devices along their leading (row) axis.
 
 Rows sharded along axis 0 (:func:`row_mesh`; recorded on the operator when it is built, see
-:func:`operator_mesh`) make ``A.mv`` and ``A.T.mv`` run in the transforms' device layout
-(:func:`on_devices`): the rows as ``(devices, rows per device)``, the single-device kernel under
-``jax.vmap`` over the device axis, the arrays ``row_fn`` closes over and ``x`` read whole by every
-device.
+:func:`operator_mesh`) make ``A.mv`` and ``A.T.mv`` run in the one device layout
+(:func:`on_devices`, :func:`chunkop._sharding.on_devices`): the rows as ``(devices, rows per
+device)``, the single-device kernel under ``jax.vmap`` over the device axis, the arrays ``row_fn``
+closes over and ``x`` read whole by every device.
 
 - ``A x`` comes back sharded like the rows, with no collective; or, for
   ``out_sharding="replicated"``, resharded to replicated (:func:`replicate`: one all-gather,
@@ -23,24 +23,20 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._cache import register_cache
 from .._sharding import (
     MeshAxes,
-    check_even,
     conform,
     explicit,
     explicit_context,
-    join_devices,
     mapped_mesh_axes,
     mesh_context,
     spec_at,
-    split_devices,
 )
-from .._tree import is_float
+from .._sharding import on_devices as on_all_devices
 
 __all__ = [
     "row_mesh",
@@ -247,17 +243,11 @@ def map_rows(fn: Callable, rows: Any, *unmapped: Any, reduce: bool = False) -> A
 
 
 def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes, *, reduce: bool = False) -> Any:
-    """``local(mapped, unmapped)`` run by each device on its own rows of ``mapped``.
-
-    The transforms' device layout (:func:`chunkop._loops.device_loop`): each leaf of ``mapped``
-    (``n`` rows, sharded along them over ``mesh_axes``) is reshaped to ``(devices, n / devices,
-    ...)`` (free: the device axis is the sharded, major one) and ``local`` runs under
-    ``jax.vmap`` over the device axis (``spmd_axis_name``: the mesh axes), so XLA's partitioner
-    gives each device its own call on its own rows; ``unmapped`` is read whole by every device.
-    No ``shard_map``: ``row_fn`` runs in the caller's mesh context. On an Explicit mesh the
-    body runs with those mesh axes automatic (``jax.sharding.auto_axes``): JAX's sharding types
-    refuse the gather of a replicated ``x`` by row-sharded indices that a ``row_fn`` makes
-    (so does ``jax.vmap`` of that ``row_fn`` there), where the partitioner places it locally.
+    """``local(mapped, unmapped)`` run by each device on its own rows of ``mapped``: the one
+    device layout (:func:`chunkop._sharding.on_devices`) over the rows' leading axis, with the
+    mesh axes automatic on an Explicit mesh (JAX's sharding types refuse the gather of a
+    replicated ``x`` by row-sharded indices that a ``row_fn`` makes, where the partitioner places
+    it locally).
 
     Args:
         local: ``local(mapped_rows, unmapped)`` on one device's rows.
@@ -270,29 +260,17 @@ def on_devices(local: Callable, mapped: Any, unmapped: Any, mesh_axes: MeshAxes,
     Returns:
         ``local``'s outputs joined along the rows, or summed over the devices.
     """
-    shards, names = mesh_axes.n_shards, mesh_axes.names
-    check_even(jax.tree_util.tree_leaves(mapped)[0].shape[0], mesh_axes, "RowOperator: the rows")
-    mapped = conform(mapped, _by_rows(mapped, names), mesh_axes)
-    split = lambda a: split_devices(a, 0, shards)
-
-    def body(m: Any, u: Any) -> Any:
-        # the unmapped float leaves enter broadcast over the device axis (each device holds its
-        # one copy, as replicated): their cotangents then sum on each device, in its own chunk
-        # loop, with one all-reduce at the end, not one per chunk of the loop's transpose
-        floats = jax.tree_util.tree_map(is_float, u)
-        u_axes = jax.tree_util.tree_map(lambda f: 0 if f else None, floats)
-        u = jax.tree_util.tree_map(lambda v, f: jnp.broadcast_to(v, (shards, *v.shape)) if f else v, u, floats)
-        per = jax.vmap(local, in_axes=(0, u_axes), axis_size=shards, spmd_axis_name=names)(m, u)
-        return jax.tree_util.tree_map(lambda p: p.sum(0) if reduce else join_devices(p, 0), per)
-
-    with mesh_context(mesh_axes):
-        if explicit(mesh_axes):
-            body = jax.sharding.auto_axes(body, axes=names, out_sharding=P() if reduce else spec_at(0, names))
-        return body(jax.tree_util.tree_map(split, mapped), unmapped)
-
-
-def _by_rows(tree: Any, names: tuple) -> Any:
-    return jax.tree_util.tree_map(lambda _: spec_at(0, names), tree)
+    leaves, tree = jax.tree_util.tree_flatten(mapped)
+    return on_all_devices(
+        lambda m, u, _: local(jax.tree_util.tree_unflatten(tree, m), u),
+        leaves,
+        [0] * len(leaves),
+        unmapped,
+        mesh_axes,
+        reduce=reduce,
+        automatic=True,
+        what="RowOperator: the rows",
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "spec", "mesh_axes", "transpose"))
