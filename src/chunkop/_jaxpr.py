@@ -38,6 +38,10 @@ __all__ = [
     "DropVar",
     "WrappedFun",
     "callback_op_sharding",
+    "define_primitive",
+    "emit_python_callback",
+    "instantiate_zeros",
+    "lower_fun",
     "eager_constant_folding",
     "eval_context",
     "tracing",
@@ -338,3 +342,59 @@ def tracing() -> bool:
     from jax._src import core as _core  # the trace state: no public form
 
     return not _core.trace_state_clean()
+
+
+# -- chunkop's own primitives (the progress taps): their rules registered in JAX's tables -------
+
+
+def define_primitive(
+    name: str,
+    *,
+    multiple_results: bool = False,
+    impl: Callable,
+    abstract_eval: Callable,
+    lowering: Callable,
+    jvp: Callable | None = None,
+    transpose: Callable | None = None,
+    batch: Callable | None = None,
+) -> Any:
+    """A new primitive ``name`` with its rules: evaluation, abstract evaluation, lowering (not
+    cached: it calls back into Python), and where given forward-mode, transpose and batching
+    rules, in JAX's rule tables (``jax.interpreters.ad`` / ``batching`` / ``mlir``: the one place
+    chunkop writes to them)."""
+    from jax.interpreters import ad, batching, mlir
+
+    prim = _ext.Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, lowering, cacheable=False)
+    if jvp is not None:
+        ad.primitive_jvps[prim] = jvp
+    if transpose is not None:
+        ad.primitive_transposes[prim] = transpose
+    if batch is not None:
+        batching.primitive_batchers[prim] = batch
+    return prim
+
+
+def instantiate_zeros(x: Any) -> Any:
+    """A tangent or cotangent as an array: a symbolic zero made concrete (``ad.instantiate_zeros``)."""
+    from jax.interpreters import ad
+
+    return ad.instantiate_zeros(x)
+
+
+def lower_fun(fun: Callable, multiple_results: bool) -> Callable:
+    """A lowering rule that lowers ``fun`` as JAX code (``mlir.lower_fun``)."""
+    from jax.interpreters import mlir
+
+    return mlir.lower_fun(fun, multiple_results=multiple_results)
+
+
+def emit_python_callback(ctx: Any, callback: Callable, operands: list, **kwargs: Any) -> Any:
+    """A host callback of plain NumPy arrays in a lowering (``mlir.emit_python_callback``, what
+    ``jax.pure_callback`` lowers to, without its ``device_put`` of the operands)."""
+    from jax.interpreters import mlir
+
+    return mlir.emit_python_callback(ctx, callback, None, operands, ctx.avals_in, ctx.avals_out, **kwargs)

@@ -67,8 +67,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 from jax.sharding import PartitionSpec as P
 
 from . import _jaxpr
@@ -296,9 +294,6 @@ def _sinks(progress: Progress, desc: str) -> tuple | None:
 
 # -- the tap: an identity on a chunk's output that reports ----------------------------------------
 
-_tap_p = Primitive("chunkop_progress")
-_tap_p.multiple_results = True
-
 
 def _tap(xs: list, k: Any, shard: Any, *, loop: _Loop, backward: bool, silent: bool) -> list:
     return _tap_p.bind(*xs, k, shard, loop=loop, backward=backward, silent=silent)
@@ -350,8 +345,6 @@ def _tap_lowered(*args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
 # it goes when its result is unused.
 _callback_op_sharding = _jaxpr.callback_op_sharding  # None: another JAX, jax.pure_callback instead
 
-_call_p = Primitive("chunkop_progress_call")
-
 
 def _call_abstract_eval(*avals: Any, loop: _Loop, backward: bool) -> Any:
     return jax.core.ShapedArray((), jnp.int32)
@@ -364,13 +357,10 @@ def _call_impl(*args: Any, loop: _Loop, backward: bool) -> Any:
 def _call_lowering(ctx: Any, *args: Any, loop: _Loop, backward: bool) -> Any:
     host = _host(loop, backward)
     sharding = _callback_op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
-    result, _, _ = mlir.emit_python_callback(
+    result, _, _ = _jaxpr.emit_python_callback(
         ctx,
         lambda *arrays: (host(*arrays),),
-        None,
         list(args),
-        ctx.avals_in,
-        ctx.avals_out,
         has_side_effect=False,
         returns_token=False,
         sharding=sharding,
@@ -378,9 +368,9 @@ def _call_lowering(ctx: Any, *args: Any, loop: _Loop, backward: bool) -> Any:
     return result
 
 
-_call_p.def_impl(_call_impl)
-_call_p.def_abstract_eval(_call_abstract_eval)
-mlir.register_lowering(_call_p, _call_lowering, cacheable=False)
+_call_p = _jaxpr.define_primitive(
+    "chunkop_progress_call", impl=_call_impl, abstract_eval=_call_abstract_eval, lowering=_call_lowering
+)
 
 
 def _tie(xs: list, done: Any) -> list:
@@ -404,7 +394,7 @@ def _tap_some(vals: list, use: list, k: Any, shard: Any, **params: Any) -> list:
     if not idx:
         return list(vals)
     out = list(vals)
-    for i, t in zip(idx, _tap([ad.instantiate_zeros(vals[i]) for i in idx], k, shard, **params)):
+    for i, t in zip(idx, _tap([_jaxpr.instantiate_zeros(vals[i]) for i in idx], k, shard, **params)):
         out[i] = t
     return out
 
@@ -420,7 +410,7 @@ def _tap_jvp(primals: tuple, tangents: tuple, *, loop: _Loop, backward: bool, si
 
 def _tap_transpose(cts: list, *args: Any, loop: _Loop, backward: bool, silent: bool) -> list:
     *xs, k, shard = args
-    linear = [ad.is_undefined_primal(x) for x in xs]
+    linear = [_jaxpr.is_undefined_primal(x) for x in xs]
     use = [lin and not _jaxpr.is_symbolic_zero(c) and _is_float(x) for lin, c, x in zip(linear, cts, xs)]
     out = _tap_some(list(cts), use, k, shard, loop=loop, backward=not backward, silent=False)
     return [c if lin else None for c, lin in zip(out, linear)] + [None, None]
@@ -436,10 +426,6 @@ def _tap_batch(args: tuple, dims: tuple, **params: Any) -> tuple:
     return _tap(list(xs), k, shard, **params), list(xdims)
 
 
-_tap_p.def_impl(_tap_impl)
-_tap_p.def_abstract_eval(_tap_abstract_eval)
-
-
 def _unsharded(aval: Any) -> Any:
     """``aval`` typed on no mesh (see :func:`_tap_lowering`)."""
     if not isinstance(aval, jax.core.ShapedArray) or aval.sharding.mesh.empty:
@@ -453,13 +439,19 @@ def _tap_lowering(ctx: Any, *args: Any, **params: Any) -> Any:
     (on an Explicit mesh their types would refuse a one-element slice of a sharded axis)."""
     ctx = ctx.replace(avals_in=[_unsharded(a) for a in ctx.avals_in], avals_out=[_unsharded(a) for a in ctx.avals_out])
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-        return mlir.lower_fun(_tap_lowered, multiple_results=True)(ctx, *args, **params)
+        return _jaxpr.lower_fun(_tap_lowered, multiple_results=True)(ctx, *args, **params)
 
 
-mlir.register_lowering(_tap_p, _tap_lowering, cacheable=False)
-ad.primitive_jvps[_tap_p] = _tap_jvp
-ad.primitive_transposes[_tap_p] = _tap_transpose
-batching.primitive_batchers[_tap_p] = _tap_batch
+_tap_p = _jaxpr.define_primitive(
+    "chunkop_progress",
+    multiple_results=True,
+    impl=_tap_impl,
+    abstract_eval=_tap_abstract_eval,
+    lowering=_tap_lowering,
+    jvp=_tap_jvp,
+    transpose=_tap_transpose,
+    batch=_tap_batch,
+)
 
 
 def _nothing() -> None:
