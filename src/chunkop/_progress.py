@@ -117,7 +117,7 @@ def report_stride(n_full: int, max_reports: int | None = None) -> int:
 def _is_tty(stream: Any) -> bool:
     try:
         return bool(stream.isatty())
-    except Exception:  # noqa: BLE001  (closed or exotic streams)
+    except (AttributeError, ValueError, OSError):  # no isatty, a closed stream, a detached one
         return False
 
 
@@ -126,7 +126,7 @@ def _in_notebook() -> bool:
     ipython = sys.modules.get("IPython")
     try:
         shell = ipython.get_ipython() if ipython is not None else None
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - IPython's own failure: not a notebook
         return False
     return shell is not None and hasattr(shell, "kernel")
 
@@ -460,11 +460,8 @@ def _nothing() -> None:
 
 def _shard() -> tuple[Any, int]:
     """This device's index over the manual mesh axes (inside ``shard_map``) and their size."""
-    try:
-        mesh = jax.sharding.get_abstract_mesh()
-        names = tuple(getattr(mesh, "manual_axes", ()) or ())
-    except Exception:  # noqa: BLE001
-        names = ()
+    mesh = jax.sharding.get_abstract_mesh()
+    names = tuple(getattr(mesh, "manual_axes", ()) or ())
     if not names:
         return jnp.int32(0), 1
     auto = [a for a in mesh.axis_names if a not in names]

@@ -58,15 +58,9 @@ class MeshAxes(NamedTuple):
 
 def _sharding_of(x: Any) -> NamedSharding | None:
     if isinstance(x, jax.core.Tracer):
-        try:
-            s = jax.typeof(x).sharding
-        except Exception:  # noqa: BLE001
-            return None
+        s = getattr(jax.typeof(x), "sharding", None)  # (abstract values without one: none)
     elif isinstance(x, jax.Array):
-        try:
-            s = x.sharding
-        except Exception:  # noqa: BLE001  (deleted / donated arrays)
-            return None
+        s = x.sharding  # (kept by deleted and donated arrays too)
     else:
         return None
     return s if isinstance(s, NamedSharding) else None

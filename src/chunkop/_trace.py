@@ -197,7 +197,7 @@ def _mentions(value: Any, name: Hashable) -> bool:
         try:
             if type(item) is type(name) and item == name:
                 return True
-        except Exception:  # noqa: BLE001 - an array-valued param (ambiguous truth value): not an axis name
+        except (TypeError, ValueError):  # an array-valued param (ambiguous truth value): not an axis name
             continue
     return False
 
