@@ -19,7 +19,7 @@ plain layout.
 **Build** (:func:`build`): one stable sort of the rows by the first read's start, kept as the
 permutation ``order`` (sorted row ``k`` is the user's row ``order[k]``) and its ``inverse``; the
 kernels run on the sorted rows, and ``A x`` is put back in the user's order, ``A^T y`` taken in
-it (:func:`permute`: one scatter of ``n_rows`` scalars, whose transpose is one too). Rows that
+it (:func:`permute`: one permutation of ``n_rows`` values, whose transpose is the inverse one). Rows that
 are already sorted keep their order: no permutation at all. The window size ``W`` of each read
 leaf is static (the widest span of a chunk, for the chunk plan); each chunk's window start is
 computed from its rows (so it needs no stored array).
@@ -355,28 +355,72 @@ def placed(order: np.ndarray, rows: Any) -> jax.Array:
 # -- the permutation of row-space vectors -------------------------------------------------------
 
 
-@jax.custom_jvp
 def permute(v: jax.Array, dest: jax.Array, src: jax.Array) -> jax.Array:
     """``v``'s leading axis permuted: element ``j`` goes to ``dest[j]`` (so element ``k`` of the
     result is ``v[src[k]]``, ``src`` the inverse of ``dest``).
 
-    A scatter with unique indices (a TPU v5e moved 54M scalars so in 403 ms, a gather took 779
-    ms); its tangent is written as the gather ``dv[src]``, whose transpose, what ``jax.grad`` runs,
-    is the scatter by ``src``: every direction of the permutation in reverse mode is a scatter.
+    One primitive (``chunkop_permute``) with its rules in JAX's tables: linear in ``v``, its
+    transpose the inverse permutation (``permute(ct, src, dest)``), its tangent the same
+    permutation, batched along any axis of ``v``. How it runs is chosen per platform when the
+    program is lowered (:func:`_permute_by`): on a TPU a vector is sorted by ``dest``
+    (``lax.sort_key_val``: 54M scalars in 223 ms on a v5e, where a scatter took 465 ms and a
+    gather 671 ms; ``benchmarks/results/tpu/permute_tpu_54000000.md``); elsewhere, and for rows
+    of more than one value, a scatter with unique indices. Exact either way (a permutation).
 
     Example:
         >>> dest = jnp.array([2, 0, 1]); src = jnp.array([1, 2, 0])
         >>> permute(jnp.array([10.0, 20.0, 30.0]), dest, src).tolist()
         [20.0, 30.0, 10.0]
     """
+    return _permute_p.bind(v, dest, src)
+
+
+def _by_scatter(v: jax.Array, dest: jax.Array, src: jax.Array) -> jax.Array:
     return jnp.zeros_like(v).at[dest].set(v, unique_indices=True, mode="promise_in_bounds")
 
 
-@permute.defjvp
+def _by_sort(v: jax.Array, dest: jax.Array, src: jax.Array) -> jax.Array:
+    return jax.lax.sort_key_val(dest, v)[1]
+
+
+def _permute_by(v: jax.Array, dest: jax.Array, src: jax.Array) -> jax.Array:
+    """The permutation as the platform runs it fastest (measured: :func:`permute`)."""
+    if v.ndim != 1:
+        return _by_scatter(v, dest, src)
+    return jax.lax.platform_dependent(v, dest, src, tpu=_by_sort, default=_by_scatter)
+
+
 def _permute_jvp(primals: tuple, tangents: tuple) -> tuple:
     v, dest, src = primals
     dv = tangents[0]
-    return permute(v, dest, src), dv.at[src].get(unique_indices=True, mode="promise_in_bounds")
+    out = permute(v, dest, src)
+    return out, dv if _jaxpr.is_symbolic_zero(dv) else permute(dv, dest, src)
+
+
+def _permute_transpose(ct: Any, v: Any, dest: jax.Array, src: jax.Array) -> list:
+    if _jaxpr.is_symbolic_zero(ct):
+        return [None, None, None]
+    return [permute(ct, src, dest), None, None]
+
+
+def _permute_batch(args: tuple, dims: tuple) -> tuple:
+    v, dest, src = args
+    bv, bd, bs = dims
+    if bd is None and bs is None:  # one permutation of the leading axis, the batch beside it
+        v = jnp.moveaxis(v, bv, 1)
+        return permute(v, dest, src), 1
+    return jax.vmap(_permute_by, in_axes=dims)(v, dest, src), 0
+
+
+_permute_p = _jaxpr.define_primitive(
+    "chunkop_permute",
+    impl=jax.jit(_permute_by),
+    abstract_eval=lambda v, dest, src: v,
+    lowering=_jaxpr.lower_fun(_permute_by, multiple_results=False),
+    jvp=_permute_jvp,
+    transpose=_permute_transpose,
+    batch=_permute_batch,
+)
 
 
 # -- reading a window ----------------------------------------------------------------------------
