@@ -35,11 +35,21 @@ from ._fingerprint import ClosesOverTracer, Uncacheable, jaxpr_key
 from ._sharding import per_dim
 from ._tree import is_float as _is_float
 
-__all__ = ["CollectiveError", "Traced", "trace", "trace_example", "eval_traced", "evaluate", "clamped_start"]
+__all__ = [
+    "CollectiveError",
+    "Traced",
+    "trace",
+    "trace_program",
+    "trace_example",
+    "eval_traced",
+    "evaluate",
+    "clamped_start",
+]
 
 
 class Traced(NamedTuple):
-    """``fun`` on one example, closure-converted.
+    """A user's function traced once, closure-converted (:func:`trace_program`): ``fun`` of the
+    transforms on one example, ``row_fn`` of an operator on one row and ``x``.
 
     Attributes:
         jaxpr: the jaxpr; its ``constvars`` are the hoisted constants, its ``invars`` the
@@ -550,6 +560,52 @@ def trace(
     return _hoist_inner_consts(closed, env), out_shapes
 
 
+def trace_program(
+    fn: Callable,
+    *args: Any,
+    named_after: Any = None,
+    axis_env: Sequence = (),
+    fold: str = "always",
+    key_with: Hashable = (),
+    check: Callable[[Any], None] | None = None,
+) -> Traced:
+    """``fn(*args)`` traced once (:func:`trace`) and keyed: the one traced program of both layers.
+
+    Args:
+        fn, args, named_after, axis_env: as :func:`trace`.
+        fold: ``"always"``: operations on concrete values computed while tracing (the transforms,
+            as ``jax.vmap`` does); ``"needed"``: only when the plain trace needs a concrete value
+            (``row_fn``: folding would make the scalars of its indexing constants, leaves of the
+            operator typed on the mesh of the context they ran in); ``"never"``.
+        key_with: what else the program's key holds (the meshes its values are typed on).
+        check: called on the closed jaxpr before it is keyed (raises what the caller refuses).
+
+    Returns:
+        The :class:`Traced` program: its key the jaxpr's structural fingerprint
+        (:func:`chunkop._fingerprint.jaxpr_key`), the output's tree structure and ``key_with``;
+        None (and not stageable, for a custom rule closing over an enclosing tracer) when the
+        jaxpr cannot be keyed.
+    """
+    if fold not in ("always", "needed", "never"):
+        raise ValueError(f"trace_program: `fold` must be 'always', 'needed' or 'never', got {fold!r}.")
+    try:
+        closed, out_shapes = trace(fn, *args, named_after=named_after, axis_env=axis_env, fold=fold == "always")
+    except jax.errors.ConcretizationTypeError:
+        if fold != "needed":
+            raise
+        closed, out_shapes = trace(fn, *args, named_after=named_after, axis_env=axis_env, fold=True)
+    if check is not None:
+        check(closed)
+    jaxpr = _jaxpr.open_jaxpr(closed)
+    try:
+        key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes), key_with)
+    except ClosesOverTracer:
+        return Traced(jaxpr, list(closed.consts), out_shapes, None, False)
+    except Uncacheable:
+        key = None
+    return Traced(jaxpr, list(closed.consts), out_shapes, key, True)
+
+
 def trace_example(
     fun: Callable,
     leaves: list,
@@ -588,15 +644,9 @@ def trace_example(
     structs = [_example_struct(leaves[i], axes[i]) for i in mapped]
     n_env = n if axis_env_size is None else axis_env_size
     env = [(axis_name, n_env)] if axis_name is not None else []
-    closed, out_shapes = trace(one, *structs, named_after=fun, axis_env=env, fold=axis_name is None)
-    if axis_name is not None:
-        _check_collectives(closed, axis_name, n_env, chunk_size, where)
-    try:
-        # (the mesh the examples are typed on, and the context's: the jaxpr's values carry them)
-        meshes = (tuple(s.sharding for s in structs), jax.sharding.get_abstract_mesh())
-        key: Hashable | None = (jaxpr_key(closed.jaxpr), jax.tree_util.tree_structure(out_shapes), meshes)
-    except ClosesOverTracer:
-        return Traced(_jaxpr.open_jaxpr(closed), list(closed.consts), out_shapes, None, False)
-    except Uncacheable:
-        key = None
-    return Traced(_jaxpr.open_jaxpr(closed), list(closed.consts), out_shapes, key, True)
+    # (the mesh the examples are typed on, and the context's: the jaxpr's values carry them)
+    meshes = (tuple(s.sharding for s in structs), jax.sharding.get_abstract_mesh())
+    if axis_name is None:
+        return trace_program(one, *structs, named_after=fun, fold="always", key_with=meshes)
+    check = lambda closed: _check_collectives(closed, axis_name, n_env, chunk_size, where)
+    return trace_program(one, *structs, named_after=fun, axis_env=env, fold="never", key_with=meshes, check=check)

@@ -42,9 +42,9 @@ import numpy as np
 from .. import _jaxpr
 from .._cache import register_cache
 from .._chunking import make_plan, stack_chunks, sum_chunks
-from .._fingerprint import Uncacheable, jaxpr_key, setting_key
+from .._fingerprint import Uncacheable, setting_key
 from .._progress import Progress
-from .._trace import clamped_start, eval_traced, trace
+from .._trace import clamped_start, eval_traced, trace_program
 from .._tree import dtype_of as _dtype
 from .._tree import is_float as _is_float
 from .._tree import zeros_of as _zeros
@@ -63,8 +63,8 @@ class Spec:
     """The static part of an operator: ``row_fn``'s jaxpr and the structures around it.
 
     Hashable, and passed as a static argument of the jitted kernels. Two specs are equal when
-    their ``key`` is (the jaxpr's structural fingerprint, :func:`chunkop._fingerprint.jaxpr_key`,
-    whose constants are variables, plus the structures): then they compute the same function of
+    their ``key`` is (the traced program's key, :func:`chunkop._trace.trace_program`: the jaxpr's
+    structural fingerprint, whose constants are variables, plus the structures): then they compute the same function of
     ``(consts, row, x)``, and share compiled kernels. A jaxpr that cannot be fingerprinted gets
     no key: its spec is equal only to itself.
     """
@@ -77,7 +77,7 @@ class Spec:
     in_tree: Any  # x's treedef
     row_tree: Any  # a row's treedef
     out_tree: Any  # a row's output treedef
-    fingerprint: Any = dataclasses.field(default=None, repr=False)  # jaxpr_key(jaxpr), None if it has none
+    fingerprint: Any = dataclasses.field(default=None, repr=False)  # the traced program's key (Traced.key), or None
     progress: Progress = dataclasses.field(default=None, repr=False)  # reported by every kernel's loop
     out_leaves: tuple = dataclasses.field(default=(), repr=False)  # ShapeDtypeStructs of one row's output leaves
     segment_key: Any = None  # the rows' target key: T.mv sums per target (see _segment_transpose_chunk)
@@ -214,16 +214,13 @@ def make_spec(
     """
     row0 = _tu.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a)[1:], jnp.result_type(a)), rows)
     in_leaves, in_tree = _tu.tree_flatten(in_structure)
-    # the transforms' trace: inner jits' constants (at any depth) hoisted into consts as well
-    try:
-        closed, out_shape = trace(row_fn, row0, in_structure)
-    except jax.errors.ConcretizationTypeError:
-        # row_fn needs a concrete value of what it closes over (in Python control flow, in a
-        # shape): traced again computing operations on concrete values, as jax.vmap does. Only
-        # then: folding turns the scalars of row_fn's indexing (bounds, starts) into constants,
-        # which would be the operator's leaves, typed on the mesh of the context they ran in.
-        closed, out_shape = trace(row_fn, row0, in_structure, fold=True)
-    jaxpr = _jaxpr.open_jaxpr(closed)
+    # the transforms' traced program: inner jits' constants (at any depth) hoisted into consts
+    # as well; operations on concrete closed-over values computed only where row_fn needs them
+    # (in Python control flow, in a shape), as jax.vmap does: folding would turn the scalars of
+    # row_fn's indexing (bounds, starts) into constants, leaves of the operator typed on the mesh
+    # of the context they ran in.
+    traced = trace_program(row_fn, row0, in_structure, fold="needed")
+    jaxpr, out_shape = traced.jaxpr, traced.out_shapes
     row_tree = _tu.tree_structure(row0)
     if _stops_gradient_of_x(jaxpr, set(jaxpr.invars[len(_tu.tree_leaves(row0)) :])):
         raise ValueError(
@@ -235,13 +232,9 @@ def make_spec(
         )
     out_tree = _tu.tree_structure(out_shape)
     out_leaves = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in _tu.tree_leaves(out_shape))
-    try:
-        fingerprint = jaxpr_key(jaxpr)
-    except Uncacheable:
-        fingerprint = None
     reads = row_layout.find_reads(jaxpr, len(_tu.tree_leaves(row0)))
-    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, fingerprint, progress, out_leaves)
-    return dataclasses.replace(spec, reads=reads), tuple(closed.consts)
+    spec = Spec(jaxpr, chunk_size, tuple(in_leaves), in_tree, row_tree, out_tree, traced.key, progress, out_leaves)
+    return dataclasses.replace(spec, reads=reads), tuple(traced.consts)
 
 
 def _stops_gradient_of_x(jaxpr: Any, depends: set) -> bool:

@@ -21,6 +21,7 @@ from .. import _estimate
 from .._budget import check_memory_budget, plan_program
 from .._memory import program_temp_bytes
 from .._search import BudgetPlan
+from .._sharding import check_even
 from .._tree import resized
 from . import kernels
 from .row_sharding import row_mesh
@@ -120,10 +121,9 @@ def plan_rows(
     row_leaves, row_tree = jax.tree_util.tree_flatten(rows)
     n = int(jax.typeof(row_leaves[0]).shape[0])
     mesh_axes = row_mesh(rows)
-    shards = 1
-    if mesh_axes is not None and n % mesh_axes.n_shards == 0:
-        shards = mesh_axes.n_shards
-        n //= shards
+    # (the one even-split check: rows split unevenly are refused here as by the kernels)
+    shards = 1 if mesh_axes is None else check_even(n, mesh_axes, "RowOperator: the rows")
+    n //= shards
     if shards > 1:  # one device's shard: plain shapes (sharded rows are not traced under a vmap here)
         rows = jax.tree_util.tree_unflatten(row_tree, [resized(x, 0, n) for x in row_leaves])
     leaves = _row_leaves(spec, consts, rows)
