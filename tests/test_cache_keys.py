@@ -298,6 +298,37 @@ def test_clear_caches_empties_plans_too_and_settings_bound_the_loop_cache():
     assert chunkop.settings() == old
 
 
+def test_plan_cache_from_many_threads_stays_bounded_and_consistent():
+    """``cached_plan`` from several threads at once, with a small bound: every call gets the plan
+    computed for its own key, no thread sees the cache change under its eviction (the plan
+    cache shares the loop cache's lock, issue #42), and the bound holds."""
+    import threading
+
+    old = chunkop.configure(plan_cache_size=4)
+    errors, got = [], {}
+    try:
+
+        def work(t: int) -> None:
+            try:
+                for k in range(200):
+                    key = ("test-thread-plan", t, k % 7)
+                    got[(t, k)] = (_cache.cached_plan(key, lambda key=key: key), key)
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert all(plan == key for plan, key in got.values())
+        assert len(_cache._PLANS) <= 4
+    finally:
+        chunkop.configure(**old._asdict())
+        chunkop.clear_caches()
+
+
 def _module_level_callback(v):
     return np.sin(v).astype(np.float32)
 

@@ -63,12 +63,14 @@ def cached_plan(key: Hashable, compute: Callable[[], Any]) -> Any:
         hash(key)
     except TypeError:
         return compute()
-    plan = _PLANS.get(key)
+    with _LOCK:  # (one lock for both caches: threads may plan and evict at once)
+        plan = _PLANS.get(key)
     if plan is None:
-        plan = compute()
-        while _PLANS and len(_PLANS) >= settings().plan_cache_size:
-            _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = plan
+        plan = compute()  # (outside the lock: a plan compiles probes)
+        with _LOCK:
+            while _PLANS and len(_PLANS) >= settings().plan_cache_size:
+                _PLANS.pop(next(iter(_PLANS)))
+            _PLANS[key] = plan
     return plan
 
 
@@ -93,6 +95,6 @@ def clear_caches() -> None:
     """
     with _LOCK:
         _LOOPS.clear()
-    _PLANS.clear()
+        _PLANS.clear()
     for clear in _CLEARERS:
         clear()
