@@ -8,8 +8,8 @@ entry       shape, dtype     meaning
 ``pix``     ``(n,)`` int     plane-of-sky pixel of each line, ``pix = ix * ny + iy`` on the ``(nx, ny)``
                              grid (``0 <= ix < nx``, ``0 <= iy < ny``)
 ``d``       ``(n,)`` float   distance of the line's source, pc (``> 0``)
-``s``       ``(n,)`` float   the distance uncertainty ``s`` of the weights (``> 0``, in the users'
-                             formula ``w = -diff(exp(-(d - b) / (d s b)))``, see ``los.py``)
+``s``       ``(n,)`` float   the distance uncertainty of the line's source (``> 0``); its meaning
+                             depends on the response (below)
 ``y``       ``(n,)`` float   the measured line-of-sight integral (finite)
 ``sigma``   ``(n,)`` float   the Gaussian noise standard deviation of ``y`` (``> 0``)
 ``nx``      scalar int       plane-of-sky grid size along x (``>= 1``)
@@ -17,7 +17,18 @@ entry       shape, dtype     meaning
 ``edges``   ``(n_bins + 1,)``  radial bin edges in pc, positive and strictly increasing
 ==========  ===============  ==========================================================================
 
-Optional: ``name`` (a string). Nothing else is read: the reconstruction sees only these arrays.
+Optional: ``name`` (a string) and ``response`` (a string, ``"standard"`` or ``"seed"``: the response the
+``y`` were measured through; ``reconstruct.py --response`` must agree with it; absent: ``"standard"``,
+or ``--response``'s value). Nothing else is read: the reconstruction sees only these arrays.
+
+What ``s`` means under each response (``los.py``):
+
+* ``"standard"`` (the published 3-D dust maps'): ``s`` is the standard deviation, in pc, of the source's
+  distance, taken as lognormal with median ``d`` and log-sd ``s / d``; the line measures
+  ``y = sum_k sky[pix, k] (b_{k+1} - b_k) S(sqrt(b_k b_{k+1}))`` with ``S(r) = erfc((ln r - ln d) /
+  (sqrt(2) s / d)) / 2``, the density integrated up to the source averaged over its distance;
+* ``"seed"`` (the users' first formula): ``s`` is the parameter of ``w = -diff(exp(-(d - b) / (d s b)))``
+  (the users' catalogs have ``s = 0.1 d``).
 :func:`load_catalog` validates every field and raises :class:`CatalogError` naming the field, what was
 expected and (for per-line fields) the first offending line.
 """
@@ -32,6 +43,7 @@ import numpy as np
 
 FORMAT = "chunkop-los-catalog/1"
 LINE_FIELDS = ("pix", "d", "s", "y", "sigma")
+RESPONSES = ("standard", "seed")  # the same as los.RESPONSES (this module imports nothing of the example)
 REQUIRED = (*LINE_FIELDS, "nx", "ny", "edges")
 
 __all__ = ["FORMAT", "Catalog", "CatalogError", "load_catalog", "validate_catalog", "write_catalog"]
@@ -52,6 +64,7 @@ class Catalog:
     ny: int
     edges: np.ndarray  # (n_bins + 1,) float64, pc
     name: str = ""
+    response: str | None = None  # the catalog's own ``response`` entry, if any
 
     @property
     def n_los(self) -> int:
@@ -134,7 +147,12 @@ def validate_catalog(fields: dict) -> Catalog:
             f"got {int(pix[outside][0])} in {_first_bad(outside)}"
         )
     name = str(np.asarray(fields["name"])) if "name" in fields else ""
-    return Catalog(pix=pix.astype(np.int32), nx=nx, ny=ny, edges=edges, name=name, **out)
+    response = fields.get("response")
+    if response is not None:
+        response = str(np.asarray(response))
+        if response not in RESPONSES:
+            raise CatalogError(f"field 'response': expected one of {list(RESPONSES)}, got {response!r}")
+    return Catalog(pix=pix.astype(np.int32), nx=nx, ny=ny, edges=edges, name=name, response=response, **out)
 
 
 def load_catalog(path: str | os.PathLike) -> Catalog:
@@ -143,8 +161,13 @@ def load_catalog(path: str | os.PathLike) -> Catalog:
         return validate_catalog({k: f[k] for k in f.files})
 
 
-def write_catalog(path: str | os.PathLike, *, pix, d, s, y, sigma, nx, ny, edges, name: str = "") -> Catalog:
-    """Validate and write a catalog ``.npz``; returns the validated :class:`Catalog`."""
+def write_catalog(
+    path: str | os.PathLike, *, pix, d, s, y, sigma, nx, ny, edges, name: str = "", response: str | None = None
+) -> Catalog:
+    """Validate and write a catalog ``.npz``; returns the validated :class:`Catalog`.
+
+    ``response``: written as the catalog's ``response`` entry when given (``"standard"`` or ``"seed"``).
+    """
     cat = validate_catalog(
         {
             "pix": np.asarray(pix),
@@ -156,6 +179,7 @@ def write_catalog(path: str | os.PathLike, *, pix, d, s, y, sigma, nx, ny, edges
             "ny": ny,
             "edges": np.asarray(edges),
             "name": name,
+            **({} if response is None else {"response": response}),
         }
     )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -171,5 +195,6 @@ def write_catalog(path: str | os.PathLike, *, pix, d, s, y, sigma, nx, ny, edges
         ny=np.int64(cat.ny),
         edges=cat.edges,
         name=cat.name,
+        **({} if cat.response is None else {"response": cat.response}),
     )
     return cat

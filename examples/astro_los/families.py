@@ -1,7 +1,7 @@
 """Truth families the example's generator (``los.make_problem``) does not draw, written as catalogs.
 
     python examples/astro_los/families.py [--size tiny|default] [--out DIR] [--family NAME ...] [--run]
-        [--references oracle scale2x]
+        [--references oracle scale2x] [--response standard|seed] [--with-default]
 
 Each family writes ``DIR/NAME.npz`` (a catalog in the documented format, ``catalog.py``) and
 ``DIR/NAME.truth.npz`` (the true sky, ``sky``: ``(nx * ny, n_bins)``). ``--run`` then reconstructs
@@ -10,10 +10,12 @@ each one through ``reconstruct.py --data NAME.npz --truth NAME.truth.npz --out D
 ``--references oracle scale2x`` also reconstructs each one given a reference radial profile
 (``--profile``): the truth's mean profile, and the family's density law with its scale doubled.
 
-This code shares nothing with the example's generator but the instrument (``los.make_los_operator``,
-the users' weights): its own sky models, plane-of-sky fields, line draws (distances log-uniform,
-per-line ``s / d`` between 0.05 and 0.2) and heteroscedastic noise (2% of each line's signal plus a
-floor). The families:
+This code shares nothing with the example's generator but the instrument (``los.make_los_operator``
+with ``--response``: ``standard``, the default, or ``seed``, the users' weights): its own sky models,
+plane-of-sky fields, line draws and heteroscedastic noise (2% of each line's signal plus a floor).
+With the standard response the lines are the stars of a magnitude-limited catalog (distances with
+counts growing as ``d^2`` out to the far edge, ``s / d`` uniform between 0.05 and 0.2); with the
+seed response, the earlier toy draws (distances log-uniform, ``s / d`` the same). The families:
 
 * ``steep_profile``: density ``1 / (1 + (r / 200 pc)^2)`` (half the generator's scale) times a
   log-normal field with a power-law spectrum;
@@ -118,22 +120,31 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
     return sky.astype(np.float32)
 
 
-def write_family(name: str, out: str, size: str = "default", seed: int = 0) -> tuple[str, str]:
-    """Write ``out/NAME.npz`` (catalog) and ``out/NAME.truth.npz``; returns both paths."""
+def write_family(
+    name: str, out: str, size: str = "default", seed: int = 0, response: str = "standard"
+) -> tuple[str, str]:
+    """Write ``out/NAME.npz`` (catalog, seen through ``response``) and ``out/NAME.truth.npz``; returns both paths."""
+    if response not in los.RESPONSES:
+        raise ValueError(f"response must be one of {los.RESPONSES}, got {response!r}")
     nx, ny, n_bins, n_los = GRIDS[size]
     rng = np.random.default_rng([seed, FAMILIES.index(name)])
     edges = _edges(n_bins)
     sky = family_sky(name, nx, ny, edges, rng)
     pix = rng.integers(0, nx * ny, n_los)
-    d = np.exp(rng.uniform(np.log(40.0), np.log(1700.0), n_los)).astype(np.float32)
+    if response == "standard":  # uniform in volume: counts ~ d^2
+        d = np.cbrt(rng.uniform(40.0**3, 1700.0**3, n_los)).astype(np.float32)
+    else:
+        d = np.exp(rng.uniform(np.log(40.0), np.log(1700.0), n_los)).astype(np.float32)
     s = (rng.uniform(0.05, 0.2, n_los) * d).astype(np.float32)
-    A = los.make_los_operator(pix, d, s, n_pix=nx * ny, edges=edges, chunk_size=min(8192, n_los))
+    A = los.make_los_operator(pix, d, s, n_pix=nx * ny, edges=edges, chunk_size=min(8192, n_los), response=response)
     y_clean = np.asarray(jax.jit(lambda A, x: A.mv(x))(A, jnp.asarray(sky)), np.float64)
     sigma = 0.02 * np.sqrt(y_clean**2 + (0.1 * np.sqrt(np.mean(y_clean**2))) ** 2)
     y = y_clean + sigma * rng.standard_normal(n_los)
     os.makedirs(out, exist_ok=True)
     cat_path, truth_path = os.path.join(out, f"{name}.npz"), os.path.join(out, f"{name}.truth.npz")
-    write_catalog(cat_path, pix=pix, d=d, s=s, y=y, sigma=sigma, nx=nx, ny=ny, edges=edges, name=name)
+    write_catalog(
+        cat_path, pix=pix, d=d, s=s, y=y, sigma=sigma, nx=nx, ny=ny, edges=edges, name=name, response=response
+    )
     np.savez(truth_path, sky=sky)
     return cat_path, truth_path
 
@@ -145,6 +156,7 @@ def main(argv=None) -> dict:
     p.add_argument("--family", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--run", action="store_true", help="reconstruct each family and write families_results.json")
     p.add_argument("--samples", type=int, default=32)
+    p.add_argument("--response", default="standard", choices=los.RESPONSES, help="the instrument (default standard)")
     p.add_argument(
         "--references",
         nargs="*",
@@ -154,15 +166,26 @@ def main(argv=None) -> dict:
         "written as NAME.REF.npy; results under NAME_REF): 'oracle', the truth's mean radial profile (what the "
         "oracle baseline knows); 'scale2x', the family's density law with its length scale doubled",
     )
+    p.add_argument(
+        "--with-default",
+        action="store_true",
+        help="with --run: also run the built-in synthetic job of --size (reconstruct.py --size SIZE --response "
+        "RESPONSE, out DIR/default) and record it first, as 'default (synthetic)'",
+    )
     a = p.parse_args(argv)
     results = {}
+    if a.run and a.with_default:
+        import reconstruct
+
+        res = reconstruct.run(a.size, out=os.path.join(a.out, "default"), samples=a.samples, response=a.response)
+        results["default (synthetic)"] = res["summary"]
     for name in a.family:
-        cat_path, truth_path = write_family(name, a.out, a.size)
+        cat_path, truth_path = write_family(name, a.out, a.size, response=a.response)
         print(f"wrote {cat_path} and {truth_path}", flush=True)
         if a.run:
             import reconstruct
 
-            args = ["--data", cat_path, "--truth", truth_path, "--samples", str(a.samples)]
+            args = ["--data", cat_path, "--truth", truth_path, "--samples", str(a.samples), "--response", a.response]
             results[name] = reconstruct.main([*args, "--out", os.path.join(a.out, name)])
             for ref in a.references:
                 profile_path = os.path.join(a.out, f"{name}.{ref}.npy")
@@ -172,7 +195,7 @@ def main(argv=None) -> dict:
                 results[f"{name}_{ref}"] = reconstruct.main([*args, "--profile", profile_path, "--out", out])
     if a.run:
         with open(os.path.join(a.out, "families_results.json"), "w") as f:
-            json.dump({"size": a.size, "families": results}, f, indent=1, default=float)
+            json.dump({"size": a.size, "response": a.response, "families": results}, f, indent=1, default=float)
     return results
 
 

@@ -1,19 +1,32 @@
 """The line-of-sight (LOS) operator of the astrophysics users, and a synthetic problem to invert.
 
 The sky is an array of shape ``(n_pix, n_bins)``: plane-of-sky pixels x radial (distance)
-bins, with bin edges ``b = geomspace(40, 1700, n_bins + 1)``. A line of sight ``l`` looks
-through pixel ``pix[l]`` at a source at distance ``d[l]`` with uncertainty ``s[l]`` and measures
+bins with edges ``b`` (``b = geomspace(40, 1700, n_bins + 1)`` by default). A line of sight ``l``
+looks through pixel ``pix[l]`` at a star at distance ``d[l]`` with distance uncertainty ``s[l]``
+and measures ``y_l = sum_k w_k(d_l, s_l) * sky[pix_l, k]``, with one of two responses:
 
-    y_l = sum_k w_k(d_l, s_l) * sky[pix_l, k],   w = -diff(exp(-(d - b) / (d * s * b))).
+* ``"standard"`` (the published 3-D dust maps'): the extinction to a star is the density
+  integrated up to the star, averaged over the star's distance uncertainty (a lognormal of
+  median ``d`` and log-sd ``s / d``; ``s`` is the distance's standard deviation in pc)::
 
-``make_los_operator`` builds it as a :class:`chunkop.RowOperator` whose rows are
-``{"pix", "d", "s"}``: the ``n_los x n_bins`` weights are recomputed chunk by chunk and never
-stored, and ``d`` / ``s`` are differentiable.
+      w_k = (b_{k+1} - b_k) * S(sqrt(b_k b_{k+1})),   S(r) = erfc((ln r - ln d) / (sqrt(2) s / d)) / 2;
 
-Numerics: ``exp(-(d - b) / (d s b))`` is within about 1% of 1 over the whole range, so the
-literal ``-diff(exp(...))`` in float32 loses a median 0.5% of each weight to cancellation at
-516 bins (18% at the 99th percentile; the far, small bins can be off by 2x). The weights here
-use the algebraically identical
+* ``"seed"`` (the users' first formula, literally; the benchmark kernel)::
+
+      w = -diff(exp(-(d - b) / (d * s * b))).
+
+  With the users' ``s = 0.1 d`` every line's weight vector has the same shape (``los_weights``):
+  such lines measure one ``1/r^2``-weighted column per pixel.
+
+``make_los_operator`` builds either as a :class:`chunkop.RowOperator` whose rows are
+``{"pix", "d", "s"}`` and whose ``row_fn`` reads ``sky[row["pix"]]`` (so the row layout can be
+windowed): the ``n_los x n_bins`` weights are recomputed chunk by chunk and never stored, and
+``d`` / ``s`` are differentiable.
+
+Numerics of the seed formula: ``exp(-(d - b) / (d s b))`` is within about 1% of 1 over the whole
+range, so the literal ``-diff(exp(...))`` in float32 loses a median 0.5% of each weight to
+cancellation at 516 bins (18% at the 99th percentile; the far, small bins can be off by 2x). The
+seed weights here use the algebraically identical
 
     w_k = -exp(u_k) * expm1((1/b_k - 1/b_{k+1}) / s),   u_k = (1/d - 1/b_k) / s,
 
@@ -22,9 +35,11 @@ with ``1/b_k - 1/b_{k+1}`` precomputed in float64: full float32 accuracy
 
 ``make_problem(size)`` generates a deterministic synthetic problem, no downloads: a smooth
 log-normal sky on an ``nx x ny`` plane-of-sky grid (a radial density profile, times a smooth
-2-D Gaussian random field, times a few compact "clouds" at given distances), the users' random
-lines of sight and noisy data. Sizes: ``tiny`` (tests), ``default`` (the README's main job,
-about a minute) and ``seed`` (the users' size: 786432 x 516 sky, 132400 lines).
+2-D Gaussian random field, times a few compact "clouds" at given distances), lines of sight and
+noisy data. With the standard response the stars are those of a magnitude-limited catalog
+(counts growing as ``d^2`` out to the edge, ``draw_stars``); with the seed response, the users'
+toy lines (``draw_lines``). Sizes: ``tiny`` (tests), ``default`` (the README's main job, about half a
+minute) and ``seed`` (the users' size: 786432 x 516 sky, 132400 lines).
 """
 
 from __future__ import annotations
@@ -39,11 +54,17 @@ import numpy as np
 import chunkop
 
 R_MIN, R_MAX = 40.0, 1700.0
+#: the two responses (module docstring): ``"standard"`` (the published maps'), ``"seed"`` (the users'
+#: literal first formula, the benchmark kernel and :func:`make_los_operator`'s default)
+RESPONSES = ("standard", "seed")
 
 __all__ = [
+    "RESPONSES",
     "SIZES",
     "Problem",
     "bin_edges",
+    "standard_weights",
+    "response_weights",
     "los_weights",
     "los_weights_naive",
     "make_los_operator",
@@ -51,6 +72,7 @@ __all__ = [
     "with_rows",
     "los_vmap",
     "draw_lines",
+    "draw_stars",
     "make_problem",
     "true_sky",
 ]
@@ -64,8 +86,44 @@ def bin_edges(n_bins: int = 516, bounds: tuple[float, float] = (R_MIN, R_MAX)) -
     return np.geomspace(bounds[0], bounds[1], n_bins + 1)
 
 
+def standard_weights(d: jax.Array, s: jax.Array, edges: np.ndarray) -> jax.Array:
+    """The standard response for one line: ``w_k = (b_{k+1} - b_k) S(sqrt(b_k b_{k+1}))``, ``S`` the
+    survival function of a lognormal distance of median ``d`` and log-sd ``s / d``,
+    ``S(r) = erfc((ln r - ln d) / (sqrt(2) s / d)) / 2``.
+
+    ``sum_k w_k sky_k`` is then the density integrated from the first edge up to the star, averaged
+    over the star's distance uncertainty (bin by bin, at the bin's geometric centre). The bin
+    centres' logarithms and the widths are float64 constants. Broadcasts like :func:`los_weights`.
+
+    Args:
+        d: the star's distance (pc), any shape ``S``.
+        s: the sd of that distance (pc), shape ``S``.
+        edges: the ``n_bins + 1`` bin edges (pc).
+
+    Returns:
+        The weights, shape ``S + (n_bins,)``, in the dtype of ``d`` and ``s``.
+    """
+    edges = np.asarray(edges, np.float64)
+    dtype = jnp.result_type(d, s)
+    log_r = jnp.asarray(0.5 * (np.log(edges[:-1]) + np.log(edges[1:])), dtype)
+    width = jnp.asarray(np.diff(edges), dtype)
+    d, s = jnp.asarray(d)[..., None], jnp.asarray(s)[..., None]
+    z = (log_r - jnp.log(d)) * (d / (np.sqrt(2.0) * s))
+    return width * (0.5 * jax.scipy.special.erfc(z))
+
+
+def response_weights(d: jax.Array, s: jax.Array, edges: np.ndarray, response: str = "standard") -> jax.Array:
+    """The weights of ``response`` (``"standard"``: :func:`standard_weights`; ``"seed"``: :func:`los_weights`)."""
+    if response == "standard":
+        return standard_weights(d, s, edges)
+    if response == "seed":
+        return los_weights(d, s, edges)
+    raise ValueError(f"response must be one of {RESPONSES}, got {response!r}")
+
+
 def los_weights(d: jax.Array, s: jax.Array, edges: np.ndarray) -> jax.Array:
-    """``w = -diff(exp(-(d - b) / (d s b)))`` for one line (scalars ``d``, ``s``), cancellation-free.
+    """The seed response ``w = -diff(exp(-(d - b) / (d s b)))`` for one line (scalars ``d``, ``s``),
+    cancellation-free.
 
     Uses ``-(f_{k+1} - f_k) = -f_k * expm1(u_{k+1} - u_k)`` with ``f = exp(u)``,
     ``u = (1/d - 1/b) / s``; the bin-width term ``1/b_k - 1/b_{k+1}`` is a float64 constant.
@@ -87,8 +145,8 @@ def los_weights_naive(d: jax.Array, s: jax.Array, edges: np.ndarray) -> jax.Arra
     return -jnp.diff(jnp.exp(-(d - b) / (d * s * b)), axis=-1)
 
 
-def _row_fns(edges: np.ndarray):
-    """``(row_fn, squared_row_fn)`` for these edges.
+def _row_fns(edges: np.ndarray, response: str = "seed"):
+    """``(row_fn, squared_row_fn)`` of ``response`` for these edges.
 
     No cache is needed: ``RowOperator`` traces ``row_fn`` when it is built, and the arrays it
     derives from ``edges`` become the operator's ``consts``; operators with the same number of
@@ -96,12 +154,14 @@ def _row_fns(edges: np.ndarray):
     arguments do not retrace).
     """
     edges = np.asarray(edges, np.float64)
+    if response not in RESPONSES:
+        raise ValueError(f"response must be one of {RESPONSES}, got {response!r}")
 
     def row_fn(row: dict, sky: jax.Array) -> jax.Array:
-        return jnp.dot(los_weights(row["d"], row["s"], edges), sky[row["pix"]])
+        return jnp.dot(response_weights(row["d"], row["s"], edges, response), sky[row["pix"]])
 
     def squared_row_fn(row: dict, sky: jax.Array) -> jax.Array:
-        return jnp.dot(los_weights(row["d"], row["s"], edges) ** 2, sky[row["pix"]])
+        return jnp.dot(response_weights(row["d"], row["s"], edges, response) ** 2, sky[row["pix"]])
 
     return row_fn, squared_row_fn
 
@@ -118,12 +178,16 @@ def make_los_operator(
     chunk_size: int = 4096,
     dtype: Any = jnp.float32,
     progress: Any = None,
+    response: str = "seed",
 ) -> chunkop.RowOperator:
     """The LOS operator ``sky (n_pix, n_bins) -> y (n_los,)`` as a :class:`chunkop.RowOperator`.
 
     Args:
         idx: ``(n_los,)`` int pixel index of every line.
         d, s: ``(n_los,)`` distance and distance uncertainty of every line (differentiable).
+        response: ``"standard"`` or ``"seed"`` (the module docstring); ``"seed"``, the users' literal
+            weights, is the default here because it is the benchmark kernel (``benchmarks/``); the
+            example's CLI defaults to ``"standard"``.
         n_pix: number of plane-of-sky pixels (the sky's first axis).
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
@@ -138,7 +202,7 @@ def make_los_operator(
     edges = np.asarray(edges, np.float64)
     if n_bins is not None and n_bins != edges.size - 1:
         raise ValueError(f"n_bins={n_bins} does not match {edges.size} edges")
-    row_fn, _ = _row_fns(edges)
+    row_fn, _ = _row_fns(edges, response)
     rows = {"pix": jnp.asarray(idx, jnp.int32), "d": jnp.asarray(d, dtype), "s": jnp.asarray(s, dtype)}
     return chunkop.RowOperator(
         row_fn,
@@ -149,9 +213,9 @@ def make_los_operator(
     )
 
 
-def gram_diagonal(A: chunkop.RowOperator, edges: np.ndarray) -> jax.Array:
-    """``diag(A^T A)`` of a LOS operator: one chunked transposed matvec of the squared weights."""
-    _, squared_row_fn = _row_fns(edges)
+def gram_diagonal(A: chunkop.RowOperator, edges: np.ndarray, response: str = "seed") -> jax.Array:
+    """``diag(A^T A)`` of a LOS operator of ``response``: one chunked transposed matvec of the squared weights."""
+    _, squared_row_fn = _row_fns(edges, response)
     return chunkop.gram_diagonal(A, squared_row_fn=squared_row_fn)
 
 
@@ -162,9 +226,11 @@ def with_rows(A: chunkop.RowOperator, **rows: Any) -> chunkop.RowOperator:
     return A.with_rows({**A.rows, **rows})
 
 
-def los_vmap(idx: jax.Array, d: jax.Array, s: jax.Array, sky: jax.Array, edges: np.ndarray) -> jax.Array:
+def los_vmap(
+    idx: jax.Array, d: jax.Array, s: jax.Array, sky: jax.Array, edges: np.ndarray, response: str = "seed"
+) -> jax.Array:
     """The unchunked reference: ``jax.vmap`` over all lines (materialises ``n_los x n_bins``)."""
-    w = los_weights(d, s, edges)  # (n_los, n_bins)
+    w = response_weights(d, s, edges, response)  # (n_los, n_bins)
     return jnp.sum(w * sky[idx], axis=-1)
 
 
@@ -204,6 +270,7 @@ class Problem:
     field: dict  # parameters of the true sky (see true_sky)
     chunk: int
     iters: int
+    response: str = "standard"
 
     @property
     def n_pix(self) -> int:
@@ -223,7 +290,13 @@ class Problem:
 
     def operator(self, chunk_size: int | None = None) -> chunkop.RowOperator:
         return make_los_operator(
-            self.pix, self.d, self.s, n_pix=self.n_pix, edges=self.edges, chunk_size=chunk_size or self.chunk
+            self.pix,
+            self.d,
+            self.s,
+            n_pix=self.n_pix,
+            edges=self.edges,
+            chunk_size=chunk_size or self.chunk,
+            response=self.response,
         )
 
     def truth(self) -> jax.Array:
@@ -237,6 +310,30 @@ def draw_lines(n_los: int, n_pix: int, rng: np.random.Generator, d_sigma: float 
     pix = rng.integers(0, n_pix, n_los).astype(np.int32)
     d = np.clip(np.exp(rng.normal(np.log(np.sqrt(R_MAX)), d_sigma, n_los)), R_MIN, R_MAX)
     return pix, d.astype(np.float32), (s_frac * d).astype(np.float32)
+
+
+def draw_stars(
+    n_los: int,
+    n_pix: int,
+    rng: np.random.Generator,
+    bounds: tuple[float, float] = (R_MIN, R_MAX),
+    plx_sd_mas: tuple[float, float] = (0.02, 0.1),
+    floor: float = 0.03,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The stars of a magnitude-limited catalog: uniform random pixels; distances with counts
+    growing as ``d^2`` (a uniform density of stars in the volume) out to the far edge;
+    ``s`` the distance's sd in pc, ``s / d = hypot(floor, d[kpc] * plx_sd)`` with each star's
+    parallax sd ``plx_sd`` (mas) uniform in ``plx_sd_mas`` (a parallax-like error growing with
+    distance, above a photometric floor).
+
+    Returns:
+        ``(pix, d, s)``: int32 pixels, float32 distances and distance sd (pc), each ``(n_los,)``.
+    """
+    pix = rng.integers(0, n_pix, n_los).astype(np.int32)
+    lo3, hi3 = bounds[0] ** 3, bounds[1] ** 3
+    d = (lo3 + rng.uniform(0.0, 1.0, n_los) * (hi3 - lo3)) ** (1.0 / 3.0)
+    frac = np.hypot(floor, d / 1000.0 * rng.uniform(*plx_sd_mas, n_los))
+    return pix, d.astype(np.float32), (frac * d).astype(np.float32)
 
 
 def _smooth_field(rng: np.random.Generator, nx: int, ny: int, corr: float) -> np.ndarray:
@@ -290,10 +387,19 @@ def true_sky(field: dict) -> jax.Array:
 
 
 def make_problem(
-    size: str = "default", *, seed: int = 0, noise: float = 0.02, chunk: int | None = None, progress: Any = None
+    size: str = "default",
+    *,
+    seed: int = 0,
+    noise: float = 0.02,
+    chunk: int | None = None,
+    progress: Any = None,
+    response: str = "standard",
 ) -> Problem:
-    """A deterministic synthetic LOS problem: true sky, the users' random lines, noisy data.
+    """A deterministic synthetic LOS problem: true sky, lines of sight, noisy data.
 
+    ``response="standard"``: the stars of a magnitude-limited catalog (:func:`draw_stars`) seen
+    through the standard response; ``"seed"``: the users' toy lines (:func:`draw_lines`) through
+    their literal weights (the same data as before the standard response was added).
     ``noise`` is the noise standard deviation relative to the rms of the noise-free data.
     The prior mean is the sky's mean given only the radial profile: ``rho(r) * E[exp(g)]``.
     """
@@ -303,9 +409,14 @@ def make_problem(
     rng = np.random.default_rng(seed)
     edges = bin_edges(cfg.n_bins)
     field = _make_field(cfg.nx, cfg.ny, edges, rng)
-    pix, d, s = draw_lines(cfg.n_los, cfg.nx * cfg.ny, rng)
+    if response not in RESPONSES:
+        raise ValueError(f"response must be one of {RESPONSES}, got {response!r}")
+    draw = draw_stars if response == "standard" else draw_lines
+    pix, d, s = draw(cfg.n_los, cfg.nx * cfg.ny, rng)
     chunk = chunk or cfg.chunk
-    A = make_los_operator(pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk, progress=progress)
+    A = make_los_operator(
+        pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk, progress=progress, response=response
+    )
     y_clean = jax.jit(lambda op, f: op.mv(true_sky(f)))(A, field)
     sigma = float(noise * jnp.sqrt(jnp.mean(y_clean**2)))
     eps = rng.standard_normal(cfg.n_los).astype(np.float32)
@@ -325,4 +436,5 @@ def make_problem(
         field=field,
         chunk=chunk,
         iters=cfg.iters,
+        response=response,
     )

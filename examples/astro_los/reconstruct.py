@@ -1,20 +1,25 @@
 """Reconstruct a 3-D sky from line-of-sight integrals with a chunked implicit operator.
 
     python examples/astro_los/reconstruct.py [--size tiny|default|seed] [--out DIR] [--samples N]
-    python examples/astro_los/reconstruct.py --data CATALOG.npz [--truth TRUTH.npz] --out DIR
+    python examples/astro_los/reconstruct.py --data CATALOG.npz [--truth TRUTH.npz] --out DIR [--response R]
     python examples/astro_los/reconstruct.py --size tiny --write-catalog PATH
 
 The forward model is the astrophysics users' LOS operator (``los.py``): sky ``(n_pix, n_bins)``,
-``y_l = sum_k w_k(d_l, s_l) sky[pix_l, k]`` with ``w = -diff(exp(-(d - b) / (d s b)))``, built as
-a ``chunkop.RowOperator`` (weights recomputed chunk by chunk, never stored).
+``y_l = sum_k w_k(d_l, s_l) sky[pix_l, k]``, built as a ``chunkop.RowOperator`` (weights recomputed
+chunk by chunk, never stored), with the response ``--response``: ``standard`` (the default: the
+density integrated up to the star, averaged over its lognormal distance,
+``w_k = (b_{k+1} - b_k) erfc((ln sqrt(b_k b_{k+1}) - ln d) / (sqrt(2) s / d)) / 2``) or ``seed`` (the
+users' literal ``w = -diff(exp(-(d - b) / (d s b)))``).
 
 ``--data``: a catalog (``catalog.py``: ``pix``, ``d``, ``s``, ``y``, ``sigma`` per line; ``nx``,
 ``ny``, ``edges``) is validated and reconstructed by :func:`reconstruct_catalog`, which sees
-nothing else: the prior's hyperparameters (radial profile level and shape, plane-of-sky field sd,
-correlation length and spectral slope) are learned from the catalog by type-II maximum
-likelihood (``learn.py``), the posterior mean and samples are solved at full resolution, and
-``posterior_mean.npy``, ``posterior_std.npy``, ``summary.json`` and figures are written to
-``--out``. ``--truth`` adds the comparison with a known sky (:func:`evaluate`).
+nothing else. Standard response: a 3-D Gaussian-field prior whose hyperparameters are learned from
+the catalog by the evidence (``field3d.py``, :func:`reconstruct_standard`). Seed response: the
+radial-shape prior's hyperparameters (radial profile level and shape, plane-of-sky field sd,
+correlation length and spectral slope) are learned by type-II maximum likelihood (``learn.py``).
+The posterior mean and samples are solved, and ``posterior_mean.npy``, ``posterior_std.npy``,
+``column_std.npy``, ``summary.json`` and figures are written to ``--out``. ``--truth`` adds the
+comparison with a known sky (:func:`evaluate`).
 
 Without ``--data`` (the synthetic job): ``--size``'s built-in data are written as a catalog
 (``OUT/catalog.npz``), the operator is measured (``chunkop.check_linear``; matvec, transpose,
@@ -23,9 +28,10 @@ global scale on ``s`` is fitted against the known sky (a calibration demo of der
 the row data, not part of the reconstruction), and the sky is reconstructed from the catalog
 file through the same :func:`reconstruct_catalog`, then compared with the truth.
 
-The data measure one ``1/r^2``-weighted column per pixel and almost nothing of the radial
-profile: the run warns that the distance-integrated column comes from the profile's hyperprior
-(README.md, "What these data can and cannot tell").
+With the seed response the data measure one ``1/r^2``-weighted column per pixel and almost nothing
+of the radial profile: the run warns that the distance-integrated column comes from the profile's
+hyperprior (README.md, "What these data can and cannot tell"). With the standard response the run
+warns where the data do not constrain what it reports (columns, distance ranges).
 
 ``--devices N`` runs the same job with the operator's rows (``pix``, ``d``, ``s``) sharded along
 their leading axis over a mesh ``jax.make_mesh((N,), ("rows",))`` of the first ``N`` of
@@ -102,6 +108,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as PSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import field3d  # noqa: E402
 import learn  # noqa: E402
 import los  # noqa: E402
 from catalog import Catalog, CatalogError, load_catalog, write_catalog  # noqa: E402
@@ -265,7 +272,9 @@ def sharded_operator(P: los.Problem, mesh: jax.sharding.Mesh) -> chunkop.RowOper
             f"devices (the rows are sharded in equal blocks); use --devices in {divisors}"
         )
     rows = jax.device_put({"pix": P.pix, "d": P.d, "s": P.s}, NamedSharding(mesh, PSpec("rows")))
-    return los.make_los_operator(rows["pix"], rows["d"], rows["s"], n_pix=P.n_pix, edges=P.edges, chunk_size=P.chunk)
+    return los.make_los_operator(
+        rows["pix"], rows["d"], rows["s"], n_pix=P.n_pix, edges=P.edges, chunk_size=P.chunk, response=P.response
+    )
 
 
 def describe_sharding(A: chunkop.RowOperator, mesh: jax.sharding.Mesh | None) -> dict:
@@ -308,6 +317,7 @@ def reconstruct_catalog(
     reference: np.ndarray | None = None,
     profile_sd: float | None = None,
     evidence_pixels: int | None = None,
+    response: str | None = None,
 ) -> dict:
     """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given), and
     from a reference radial profile (``(n_bins,)`` densities: the prior's mean shape) if one is given.
@@ -320,12 +330,24 @@ def reconstruct_catalog(
     ``posterior_std.npy`` (when ``samples > 0``), ``summary.json`` and the figures there.
     ``evidence_pixels``: the most pixels of the coarse grid the hyperparameters' evidence is computed
     on (``learn.learn_hyperparameters``'s ``max_pixels``; None: ``learn.coarse_factor``'s rule).
+    ``response``: the response the lines were measured through (:func:`resolve_response`; None: the
+    catalog's, else ``"standard"``). ``"standard"`` is reconstructed with the 3-D prior
+    (:func:`reconstruct_standard`, ``field3d.py``); ``"seed"`` with the radial-shape prior described above.
     """
+    response = resolve_response(cat, response)
+    if response == "standard":
+        if reference is not None or profile_sd is not None:
+            raise ValueError(
+                "--profile / --profile-sd apply to --response seed only (the 3-D prior learns its profile)"
+            )
+        return reconstruct_standard(cat, out, samples=samples, chunk=chunk, figures=figures, mesh=mesh)
     t0 = time.perf_counter()
     summ: dict = {"catalog": {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}}
     summ["catalog"]["edges_pc"] = [float(cat.edges[0]), float(cat.edges[-1])]
+    summ["response"] = "seed"
     log(
-        f"catalog {cat.name!r}: {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, {cat.n_bins} radial bins "
+        f"catalog {cat.name!r} (seed response): {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, "
+        f"{cat.n_bins} radial bins "
         f"{cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc ({cat.n_los / cat.n_pix:.2f} lines per pixel)"
     )
     V, sv = learn.radial_basis(cat)
@@ -352,15 +374,7 @@ def reconstruct_catalog(
     summ["posterior"]["samples"] = samples
     sm = learn.sky_summaries(cat, post)
     # the fit, with the full chunked operator (checks the compression too)
-    A = los.make_los_operator(cat.pix, cat.d, cat.s, n_pix=cat.n_pix, edges=cat.edges, chunk_size=min(chunk, cat.n_los))
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        sky, y = jnp.asarray(sm["mean"]), jnp.asarray(cat.y)
-        if mesh is not None:
-            A = sharded_los_operator(cat, mesh, chunk)
-            sky, y = jax.device_put((sky, y), NamedSharding(mesh, PSpec()))  # replicated on the mesh
-        resid = jax.jit(lambda A, s_, y: y - A.mv(s_))(A, sky, y)
-        resid = np.asarray(resid)
-    resid = resid / cat.sigma
+    resid = fit_check(cat, sm["mean"], "seed", chunk, mesh)
     chi2 = float(np.mean(resid**2))
     summ["chi2_per_line"] = chi2
     summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
@@ -378,6 +392,151 @@ def reconstruct_catalog(
     if out:
         write_outputs(out, cat, rec, figures=figures)
     return rec
+
+
+def resolve_response(cat: Catalog, response: str | None) -> str:
+    """The response to reconstruct ``cat`` with: ``response`` if given, else the catalog's own
+    ``response`` entry, else ``"standard"``.
+
+    Raises:
+        ValueError: ``response`` is not one of ``los.RESPONSES``, or differs from the catalog's entry.
+    """
+    if response is not None and response not in los.RESPONSES:
+        raise ValueError(f"response must be one of {los.RESPONSES}, got {response!r}")
+    if response is not None and cat.response is not None and response != cat.response:
+        raise ValueError(f"--response {response}: the catalog says its lines were measured with {cat.response!r}")
+    return response or cat.response or "standard"
+
+
+def fit_check(cat: Catalog, sky: np.ndarray, response: str, chunk: int, mesh: Any = None) -> np.ndarray:
+    """The normalised residuals ``(y - A sky) / sigma`` with the full chunked operator of ``response``
+    (rows sharded over ``mesh`` if given)."""
+    A = los.make_los_operator(
+        cat.pix, cat.d, cat.s, n_pix=cat.n_pix, edges=cat.edges, chunk_size=min(chunk, cat.n_los), response=response
+    )
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        sky, y = jnp.asarray(sky), jnp.asarray(cat.y)
+        if mesh is not None:
+            A = sharded_los_operator(cat, mesh, chunk, response)
+            sky, y = jax.device_put((sky, y), NamedSharding(mesh, PSpec()))  # replicated on the mesh
+        resid = np.asarray(jax.jit(lambda A, s_, y: y - A.mv(s_))(A, sky, y))
+    return resid / cat.sigma
+
+
+def reconstruct_standard(
+    cat: Catalog,
+    out: str | None = None,
+    *,
+    samples: int = 32,
+    chunk: int = 8192,
+    figures: bool = True,
+    mesh: jax.sharding.Mesh | None = None,
+) -> dict:
+    """The standard response's reconstruction with the 3-D prior (``field3d.reconstruct``): the same
+    outputs as :func:`reconstruct_catalog`'s, with ``column_std`` from posterior samples (bin
+    correlations included) and warnings where the data do not constrain what is reported."""
+    t0 = time.perf_counter()
+    summ: dict = {"catalog": {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}}
+    summ["catalog"]["edges_pc"] = [float(cat.edges[0]), float(cat.edges[-1])]
+    summ["response"] = "standard"
+    log(
+        f"catalog {cat.name!r} (standard response): {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, "
+        f"{cat.n_bins} radial bins {cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc "
+        f"({cat.n_los / cat.n_pix:.2f} lines per pixel)"
+    )
+    r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, log=log)
+    summ["radial_basis"] = r["basis"]
+    summ["hyperparameters"] = r["hyper"]
+    summ["posterior"] = r["posterior"]
+    resid = fit_check(cat, r["mean"], "standard", chunk, mesh)
+    summ["chi2_per_line"] = float(np.mean(resid**2))
+    summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
+    summ["column_rel_std_median"] = float(np.median(r["column_std"] / np.abs(r["column"])))
+    summ["wcolumn_rel_std_median"] = float(np.median(r["wcolumn_std"] / np.abs(r["wcolumn"])))
+    log(
+        f"fit: chi2 per line {summ['chi2_per_line']:.3f} (noise = 1), "
+        f"{100 * summ['residual_fraction_beyond_3']:.2f}% beyond 3 sigma"
+    )
+    summ["warnings"] = warnings_standard(summ, r, cat)
+    for w in summ["warnings"]:
+        log(f"WARNING: {w}")
+    summ["seconds"] = time.perf_counter() - t0
+    rec = {"summary": summ, "resid": resid, "post": {"mu": r["mu"]}, "hyper": r["hyper"]}
+    rec.update({k: r[k] for k in ("mean", "std", "column", "wcolumn", "column_std", "wcolumn_std")})
+    rec["constrained"] = r["column_std"] * field3d.CONSTRAINED <= r["column_prior_sd"]
+    if out:
+        write_outputs(out, cat, rec, figures=figures)
+    return rec
+
+
+#: a radial bin is reported as unconstrained when its median posterior sd exceeds this fraction of the prior's
+UNCONSTRAINED_BIN = 0.8
+
+
+def s_warnings(cat: Catalog) -> list:
+    """Warnings on the catalog's ``s`` under the standard response, where ``s`` is the sd of the star's
+    distance in pc (log-sd ``s / d``): a median ``s / d`` below 0.005 looks like ``s`` given as a
+    fraction of ``d`` (or in kpc), one above 1 like ``s`` in the wrong unit (or distances no better
+    than a factor e)."""
+    frac = float(np.median(cat.s / cat.d))
+    if frac < 0.005:
+        return [
+            f"the catalog's s is a median {frac:.2g} of d: under the standard response s is the sd of the "
+            "star's distance in pc (a 10% distance error is s = 0.1 d); was a fraction of d given?"
+        ]
+    if frac > 1.0:
+        return [
+            f"the catalog's s is a median {frac:.2g} of d: under the standard response s is the sd of the "
+            "star's distance in pc, the log-sd of a lognormal being s / d; is s in the right unit?"
+        ]
+    return []
+
+
+def warnings_standard(summ: dict, r: dict, cat: Catalog) -> list:
+    """The 3-D prior's warnings, from the catalog's run alone: ``s`` in a suspicious unit
+    (:func:`s_warnings`), pixels whose column the data barely constrain, distances no star
+    constrains, hyperparameters at a bound, a poor fit, unconverged CG."""
+    w = s_warnings(cat)
+    loose = r["column_std"] * field3d.CONSTRAINED > r["column_prior_sd"]
+    if np.any(loose):
+        w.append(
+            f"{int(loose.sum())} of {cat.n_pix} pixels' distance-integrated columns are barely constrained by the "
+            f"data (posterior sd more than 1/{field3d.CONSTRAINED:g} of the prior's): there the column is the "
+            "prior's guess (too few lines in or near the pixel); see column_std.npy"
+        )
+    # the bins whose density the data barely constrain: the posterior sd at most pixels still
+    # above UNCONSTRAINED_BIN of the prior's (no star near that distance on most lines)
+    ratio = np.median(r["std"], axis=0) / r["prior_sd"]
+    loose_bins = ratio > UNCONSTRAINED_BIN
+    if np.any(loose_bins):
+        runs, k = [], 0
+        while k < cat.n_bins:
+            if loose_bins[k]:
+                j = k
+                while j + 1 < cat.n_bins and loose_bins[j + 1]:
+                    j += 1
+                runs.append(f"{cat.edges[k]:.0f}-{cat.edges[j + 1]:.0f} pc")
+                k = j + 1
+            else:
+                k += 1
+        w.append(
+            f"the density at {', '.join(runs)} is mostly the prior's (posterior sd above {UNCONSTRAINED_BIN:g} of the "
+            f"prior's at most pixels; {100 * np.mean(cat.d < cat.edges[np.argmax(~loose_bins)]):.1f}% of the stars "
+            "are nearer than the first constrained bin): where along the line the dust lies there is not measured, "
+            "only its sum with the rest of the column; see posterior_std.npy"
+        )
+    for name in r["hyper"]["at_bound"]:
+        value = r["hyper"]["theta"][r["hyper"]["names"].index(name)]
+        w.append(f"hyperparameter {name} = {value:.3g} sits at its bound")
+    chi2 = summ["chi2_per_line"]
+    if chi2 > 1 + max(0.1, 5 * np.sqrt(2 / cat.n_los)):
+        w.append(
+            f"chi2 per line {chi2:.2f}: the data are not fitted to their noise (structure the prior cannot "
+            "represent, or misstated sigma)"
+        )
+    if r["posterior"]["cg_error_sd"] > 0.05:
+        w.append(f"CG stopped {r['posterior']['cg_error_sd']:.2g} posterior sd from the solution")
+    return w
 
 
 def warnings_for(summ: dict, hyper: dict, cat: Catalog) -> list:
@@ -421,6 +580,8 @@ def write_outputs(out: str, cat: Catalog, rec: dict, truth: dict | None = None, 
     np.save(os.path.join(out, "posterior_mean.npy"), rec["mean"])
     if rec.get("std") is not None:
         np.save(os.path.join(out, "posterior_std.npy"), rec["std"])
+    if rec.get("column_std") is not None:
+        np.save(os.path.join(out, "column_std.npy"), np.asarray(rec["column_std"], np.float32))
     summ = rec["summary"]
     if figures:
         try:
@@ -435,6 +596,7 @@ def write_outputs(out: str, cat: Catalog, rec: dict, truth: dict | None = None, 
     log(
         f"wrote {os.path.abspath(out)}/: posterior_mean.npy, "
         + ("posterior_std.npy, " if rec.get("std") is not None else "")
+        + ("column_std.npy, " if rec.get("column_std") is not None else "")
         + "summary.json"
     )
 
@@ -442,6 +604,10 @@ def write_outputs(out: str, cat: Catalog, rec: dict, truth: dict | None = None, 
 def oracle_profile(truth_sky: Any) -> np.ndarray:
     """The oracle baseline's radial profile: the true sky's mean over pixels, per bin (float64)."""
     return np.asarray(truth_sky).mean(axis=0, dtype=np.float64)
+
+
+#: the distances (pc) at which :func:`evaluate` splits the sky's error by range
+DISTANCE_RANGES = (100.0, 200.0, 400.0, 800.0)
 
 
 def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
@@ -455,20 +621,48 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     oracle = oracle_profile(x)
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
     # the sky's errors in pixel blocks (no sky-sized temporaries at the users' size)
-    sq = np.zeros(3)
+    sq, sqw = np.zeros(3), np.zeros(3)  # plain, and weighted by the bin lengths (|(rec - sky) sqrt(db)|)
     for i in range(0, x.shape[0], 65536):
         xb = x[i : i + 65536].astype(np.float64)
-        sq += [np.sum((rec["mean"][i : i + 65536] - xb) ** 2), np.sum((oracle - xb) ** 2), np.sum(xb**2)]
+        e2, o2, x2 = (rec["mean"][i : i + 65536] - xb) ** 2, (oracle - xb) ** 2, xb**2
+        sq += [np.sum(e2), np.sum(o2), np.sum(x2)]
+        sqw += [np.sum(e2 @ db), np.sum(o2 @ db), np.sum(x2 @ db)]
     col_t, wcol_t = x @ db.astype(np.float32), x @ dib.astype(np.float32)
     m = {
         "rel_err_sky": float(np.sqrt(sq[0] / sq[2])),
         "rel_err_sky_oracle": float(np.sqrt(sq[1] / sq[2])),
+        "rel_err_sky_db": float(np.sqrt(sqw[0] / sqw[2])),
+        "rel_err_sky_db_oracle": float(np.sqrt(sqw[1] / sqw[2])),
         "rel_err_column": rel(rec["column"], col_t),
         "rel_err_column_oracle": rel(np.full_like(col_t, oracle @ db), col_t),
         "rel_err_wcolumn": rel(rec["wcolumn"], wcol_t),
         "rel_err_wcolumn_oracle": rel(np.full_like(wcol_t, oracle @ dib), wcol_t),
         "chi2_per_line": rec["summary"]["chi2_per_line"],
     }
+    # ... and by distance range (where along the line the error lies): error (oracle's), share of the total
+    r = cat.centres
+    cuts = [c for c in DISTANCE_RANGES if cat.edges[0] < c < cat.edges[-1]]
+    bounds = [float(cat.edges[0]), *cuts, float(cat.edges[-1])]
+    e2, o2, x2 = np.zeros(cat.n_bins), np.zeros(cat.n_bins), np.zeros(cat.n_bins)
+    for i in range(0, x.shape[0], 65536):
+        xb = x[i : i + 65536].astype(np.float64)
+        e2 += np.sum((rec["mean"][i : i + 65536] - xb) ** 2, 0)
+        o2 += np.sum((oracle - xb) ** 2, 0)
+        x2 += np.sum(xb**2, 0)
+    by_range = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        k = (r >= lo) & (r < hi)
+        if np.any(k):
+            num, den = float(e2[k] @ db[k]), float(x2[k] @ db[k])
+            by_range.append(
+                {
+                    "range_pc": [lo, hi],
+                    "rel_err": float(np.sqrt(num / den)),
+                    "rel_err_oracle": float(np.sqrt((o2[k] @ db[k]) / den)),
+                    "share_of_error": num / float(e2 @ db),
+                }
+            )
+    m["sky_db_by_distance"] = by_range
     if "column_std" in rec:
         z = (rec["column"] - col_t) / rec["column_std"]
         zw = (rec["wcolumn"] - wcol_t) / rec["wcolumn_std"]
@@ -481,7 +675,8 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
             }
         )
     log(
-        f"vs truth: sky {m['rel_err_sky']:.4f} (oracle profile {m['rel_err_sky_oracle']:.4f}); column "
+        f"vs truth: sky {m['rel_err_sky']:.4f} (oracle profile {m['rel_err_sky_oracle']:.4f}), weighted by bin "
+        f"length {m['rel_err_sky_db']:.4f} ({m['rel_err_sky_db_oracle']:.4f}); column "
         f"{m['rel_err_column']:.4f} ({m['rel_err_column_oracle']:.4f}); 1/r^2-weighted column "
         f"{m['rel_err_wcolumn']:.4f} ({m['rel_err_wcolumn_oracle']:.4f})"
         + (
@@ -493,7 +688,9 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     return {"metrics": m, "truth_column": col_t, "truth_wcolumn": wcol_t, "oracle_profile": oracle}
 
 
-def sharded_los_operator(cat: Catalog, mesh: jax.sharding.Mesh, chunk: int) -> chunkop.RowOperator:
+def sharded_los_operator(
+    cat: Catalog, mesh: jax.sharding.Mesh, chunk: int, response: str = "seed"
+) -> chunkop.RowOperator:
     """The catalog's LOS operator with rows (``pix``, ``d``, ``s``) sharded over the mesh axis ``"rows"``."""
     n = int(mesh.shape["rows"])
     if cat.n_los % n:
@@ -503,7 +700,13 @@ def sharded_los_operator(cat: Catalog, mesh: jax.sharding.Mesh, chunk: int) -> c
         NamedSharding(mesh, PSpec("rows")),
     )
     return los.make_los_operator(
-        rows["pix"], rows["d"], rows["s"], n_pix=cat.n_pix, edges=cat.edges, chunk_size=min(chunk, cat.n_los)
+        rows["pix"],
+        rows["d"],
+        rows["s"],
+        n_pix=cat.n_pix,
+        edges=cat.edges,
+        chunk_size=min(chunk, cat.n_los),
+        response=response,
     )
 
 
@@ -512,12 +715,25 @@ def load_truth(path: str) -> np.ndarray:
         return f["sky"]
 
 
-def write_synthetic_catalog(size: str, path: str, progress: bool = False) -> tuple[los.Problem, Catalog]:
-    """The built-in synthetic data of ``size`` (``los.make_problem``) as a catalog file; its true sky
-    beside it (``PATH`` with ``.truth.npz``) when smaller than 64 MiB."""
-    P = los.make_problem(size, progress=progress or None)
+def write_synthetic_catalog(
+    size: str, path: str, progress: bool = False, response: str = "standard"
+) -> tuple[los.Problem, Catalog]:
+    """The built-in synthetic data of ``size`` seen through ``response`` (``los.make_problem``) as a
+    catalog file (with its ``response`` entry); its true sky beside it (``PATH`` with ``.truth.npz``)
+    when smaller than 64 MiB."""
+    P = los.make_problem(size, progress=progress or None, response=response)
     cat = write_catalog(
-        path, pix=P.pix, d=P.d, s=P.s, y=P.y, sigma=P.sigma, nx=P.nx, ny=P.ny, edges=P.edges, name=f"synthetic-{size}"
+        path,
+        pix=P.pix,
+        d=P.d,
+        s=P.s,
+        y=P.y,
+        sigma=P.sigma,
+        nx=P.nx,
+        ny=P.ny,
+        edges=P.edges,
+        name=f"synthetic-{size}" + ("" if response == "standard" else f"-{response}"),
+        response=response,
     )
     if P.n_pix * P.n_bins * 4 <= 64 * MiB:
         np.savez(truth_path(path), sky=np.asarray(P.truth()))
@@ -542,6 +758,7 @@ def run(
     devices: int | None = None,
     samples: int | None = None,
     evidence_pixels: int | None = None,
+    response: str = "standard",
 ) -> dict:
     """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
     operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
@@ -554,7 +771,9 @@ def run(
     tmp = None if out else tempfile.TemporaryDirectory()
     try:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            res, P, cat_path, chunk, timings = _operator_demos(size, out or tmp.name, chunk, fit_s, progress, mesh)
+            res, P, cat_path, chunk, timings = _operator_demos(
+                size, out or tmp.name, chunk, fit_s, progress, mesh, response
+            )
         # the reconstruction (outside the mesh: only its final fit check uses the sharded operator)
         return _reconstruct_synthetic(
             res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels
@@ -564,19 +783,20 @@ def run(
             tmp.cleanup()
 
 
-def _operator_demos(size, out, chunk, fit_s, progress, mesh):
+def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"):
     """Write the synthetic catalog; measure the operator; the s-scale demo (inside the mesh)."""
     devices = int(mesh.size) if mesh is not None else 1
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend(), "devices": devices}
+    res["response"] = response
     timings, memory = {}, {}
-    log(f"chunkop LOS example, size={size!r} (jax {jax.__version__}, {jax.default_backend()})")
+    log(f"chunkop LOS example, size={size!r}, response={response!r} (jax {jax.__version__}, {jax.default_backend()})")
     if mesh is not None:
         log(f"{devices} device(s), mesh {dict(mesh.shape)} over {[str(d) for d in mesh.devices.flat]}")
     else:
         log("1 device (no mesh; --devices N shards the operator's rows over N devices)")
     cat_path = os.path.join(out, "catalog.npz")
     t = time.perf_counter()
-    P, _ = write_synthetic_catalog(size, cat_path, progress)
+    P, _ = write_synthetic_catalog(size, cat_path, progress, response)
     chunk = chunk or P.chunk
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
@@ -655,7 +875,14 @@ def _reconstruct_synthetic(
         samples = 8 if seed else 32
     t = time.perf_counter()
     rec = reconstruct_catalog(
-        cat, None, samples=samples, rtol=rtol, chunk=chunk, mesh=mesh, evidence_pixels=evidence_pixels
+        cat,
+        None,
+        samples=samples,
+        rtol=rtol,
+        chunk=chunk,
+        mesh=mesh,
+        evidence_pixels=evidence_pixels,
+        response=P.response,
     )
     timings["reconstruction_s"] = time.perf_counter() - t
     ev = evaluate(cat, rec, P.truth())
@@ -832,7 +1059,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="outputs/astro_los", help="output folder (default outputs/astro_los)")
     p.add_argument("--chunk", type=int, default=None, help="lines per chunk (default: per size, 8192 with --data)")
     p.add_argument("--samples", type=int, default=None, help="posterior samples for the std (default 32; seed 8)")
-    p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5; seed response)")
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale calibration demo")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument(
@@ -840,7 +1067,8 @@ def main(argv=None) -> dict:
         type=int,
         default=None,
         metavar="N",
-        help=f"the most pixels of the coarse grid the prior's evidence is computed on (default: {learn.MAX_COARSE}, "
+        help=f"seed response: the most pixels of the coarse grid the prior's evidence is computed on "
+        f"(default: {learn.MAX_COARSE}, "
         f"or up to {learn.MAX_COARSE_FINE} where a coarse pixel would span more than {learn.MAX_FINE} fine ones "
         "on a side; memory ~ N^2, time ~ N^3: see the example's README, seed size)",
     )
@@ -854,6 +1082,15 @@ def main(argv=None) -> dict:
         "starts). The number of lines must be a multiple of N (default: one device, no mesh)",
     )
     p.add_argument("--progress", action="store_true", help="a progress bar of chunks per operator call")
+    p.add_argument(
+        "--response",
+        default=None,
+        choices=los.RESPONSES,
+        help="the lines' response (los.py): 'standard' (the published maps': the density integrated up to the "
+        "star, averaged over its lognormal distance; reconstructed with the 3-D prior, field3d.py) or 'seed' "
+        "(the users' literal first weights, the benchmark kernel; the radial-shape prior, learn.py). Default: "
+        "the catalog's 'response' entry with --data, else standard",
+    )
     p.add_argument(
         "--profile",
         default=None,
@@ -883,7 +1120,7 @@ def main(argv=None) -> dict:
         if a.data is None and los.SIZES[a.size].n_los % a.devices:
             p.error(f"--devices {a.devices} does not divide the {los.SIZES[a.size].n_los} lines of --size {a.size}")
     if a.write_catalog:
-        _, cat = write_synthetic_catalog(a.size, a.write_catalog, a.progress)
+        _, cat = write_synthetic_catalog(a.size, a.write_catalog, a.progress, a.response or "standard")
         log(f"wrote {a.write_catalog} ({cat.n_los} lines, {cat.nx} x {cat.ny} x {cat.n_bins})")
         return {"catalog": a.write_catalog}
     if a.data is None:
@@ -898,11 +1135,15 @@ def main(argv=None) -> dict:
             devices=a.devices,
             samples=a.samples,
             evidence_pixels=a.evidence_pixels,
+            response=a.response or "standard",
         )
     try:
         cat = load_catalog(a.data)
-    except CatalogError as e:
+        response = resolve_response(cat, a.response)
+    except (CatalogError, ValueError) as e:
         p.error(f"{a.data}: {e}")
+    if (a.profile is not None or a.profile_sd is not None) and response != "seed":
+        p.error("--profile and --profile-sd need the seed response (the 3-D prior learns its profile)")
     reference = None
     if a.profile is not None:
         try:
@@ -920,6 +1161,7 @@ def main(argv=None) -> dict:
         reference=reference,
         profile_sd=a.profile_sd,
         evidence_pixels=a.evidence_pixels,
+        response=response,
     )
     ev = None
     if a.truth:

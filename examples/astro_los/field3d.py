@@ -1,0 +1,879 @@
+"""A 3-D prior for the standard response: dust anywhere along a line, hyperparameters from the catalog.
+
+Model (nothing in it comes from a generator of synthetic skies)::
+
+    sky[p, k] = mu_k + f[p, k],      f ~ N(0, K_xy (x) Sigma_r),      Sigma_r = diag(sigma) C_r diag(sigma),
+    log mu_k = a + b t_k + c t_k^2 + const(b, c),      sigma_k = amp mu_k,
+
+* ``C_r``: an exponential (Matern-1/2, Ornstein-Uhlenbeck) correlation in *physical* distance along
+  the line, ``exp(-|r_k - r_k'| / ell_r)`` (pc), between the bins' geometric centres (a Matern-3/2,
+  smoother, tied the near bins, which few stars constrain, to the well-measured farther ones: on the
+  test families its posterior was overconfident there, 9-18% of the 1/r^2-weighted columns within 2 sd
+  against 58-93% with this one, and its errors were no smaller);
+* ``K_xy``: a stationary correlation on the periodic plane-of-sky grid, power
+  ``(1 + (2 pi ell_xy k)^2)^-slope`` (unit variance), plus its zero mode (the field's mean over the
+  sky, the same at every pixel) with variance ``(amp0 / amp)^2``: the mean radial profile is
+  ``mu (1 + amp0 zeta_0)``, ``zeta_0`` a Gaussian process along the line, learned with the rest;
+* ``t_k`` the bin centre's distance ``r`` (pc, not ``ln r``: where no star constrains the profile, near
+  the observer, it stays nearly flat rather than following a parabola in ``ln r``) mapped onto
+  ``[-1, 1]``; ``exp(a)`` the density's mean over distance (``sum_k mu_k db_k / sum_k db_k``).
+
+``theta = (a, b, c, ln amp, ln amp0, ln ell_xy, ln slope, ln ell_r)`` maximises the evidence
+``p(y | theta)`` (type-II maximum likelihood) times a hyperprior ``b, c ~ N(0, 1)`` (flat within
+bounds for the rest), in two stages (:func:`reconstruct`): first ``a, b, c, amp, amp0, ell_r`` by the
+exact evidence of the model without plane-of-sky correlation (:func:`pixelwise_evidence`, Newton
+steps); then all but ``a, b, c`` by the full model's evidence (:func:`fit_hyperparameters`,
+quasi-Newton), whose gradient is the posterior mean of the gradient of ``log p(y | field, theta)``
+over the whitened field (Fisher's identity), estimated with exact posterior samples (perturb and
+solve, mirrored), the same random numbers at every step, each solve started from the last one's.
+
+The lines enter through ``J`` radial vectors ``V`` (``n_bins x J``, the leading right singular
+vectors of a sample of the catalog's weight vectors; enough of them for every line's weights to
+within ``TRUNCATION`` noise sd on a rough sky, :func:`truncate`): ``g_l = V^T w_l``, computed once
+by ``chunkop.map`` over the lines, and per latent pixel ``D_p = sum_l g_l g_l^T / sigma_l^2``, ``t_p = sum_l g_l
+y_l / sigma_l^2`` (the transpose of a ``chunkop.RowOperator`` on the latent field). The data see
+the sky only through ``u_p = V^T f_p``, whose prior is ``K_xy (x) C`` with ``C = V^T Sigma_r V``;
+the posterior of ``u`` is solved exactly (CG on the whitened field ``u = (K_xy^1/2 (x) L) z``,
+``L L^T = C``, preconditioned by the exact inverse for the mean ``D``: diagonal in Fourier space)
+and the sky follows as ``E[f_p | u_p] = Sigma_r V C^-1 u_p`` plus the prior's variance left
+unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)``, added to every sample's spread.
+
+The latent plane-of-sky grid is the catalog's, coarsened (blocks of ``factor x factor`` pixels
+sharing one value) only where it would exceed ``MAX_LATENT`` pixels for the posterior and
+``MAX_LEARN`` for the hyperparameters (the users' 1024 x 768 grid: 256 x 192 and 147 x 110).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import los
+import numpy as np
+from catalog import Catalog
+
+import chunkop
+
+NAMES = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_xy", "log_slope", "log_ell_r")
+SHAPE_PRIOR_SD = 1.0  # hyperprior sd of the mean profile's shape b, c (flat in density unless the data say otherwise)
+TRUNCATION = 1.0  # the radial basis moves no line by more than this many noise sd (truncate)
+MAX_LATENT = 65536  # latent plane-of-sky pixels of the posterior, at most (coarser blocks beyond)
+MAX_LEARN = 16384  # ... and of the hyperparameters' fit
+LEARN = {
+    "steps": 20,
+    "max_gradients": 30,
+    "pairs": 2,
+    "fd_step": 0.03,
+    "max_step": 1.0,
+    "gain": 0.5,
+    "cg_iters": 1000,
+    "tol": 0.003,
+    "fixed": ("a", "b", "c"),
+}
+
+
+# -- the lines, compressed ------------------------------------------------------------------------
+
+
+def weights_np(d: np.ndarray, s: np.ndarray, edges: np.ndarray, response: str) -> np.ndarray:
+    """The response's weights in float64 NumPy (``(n, n_bins)``)."""
+    return np.asarray(los.response_weights(np.asarray(d, np.float64), np.asarray(s, np.float64), edges, response))
+
+
+def _stratified_sample(d: np.ndarray, n_sample: int, rng: np.random.Generator, strata: int = 64) -> np.ndarray:
+    """Up to ``n_sample`` line indices spread evenly over ``ln d`` (a magnitude-limited catalog holds
+    few near stars, whose weights a uniform sample would miss)."""
+    ld = np.log(d)
+    which = np.digitize(ld, np.linspace(ld.min(), ld.max(), strata + 1)[1:-1])
+    per = max(1, n_sample // strata)
+    idx = [rng.choice(m, min(m.size, per), replace=False) for m in (np.flatnonzero(which == k) for k in range(strata))]
+    return np.concatenate(idx)
+
+
+def radial_basis(cat: Catalog, response: str, n_sample: int = 8192, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The right singular vectors of (row-normalised) weight vectors of up to ``n_sample`` lines spread
+    over ``ln d`` (all ``n_bins`` of them, leading first; :func:`truncate` keeps the fewest that do),
+    and the singular values relative to the first."""
+    idx = _stratified_sample(cat.d, n_sample, np.random.default_rng(seed))
+    with jax.enable_x64(True):
+        W = weights_np(cat.d[idx], cat.s[idx], cat.edges, response)
+    _, sv, vt = np.linalg.svd(W / np.linalg.norm(W, axis=1, keepdims=True), full_matrices=False)
+    return vt.T.copy(), sv / sv[0]
+
+
+def compress_lines(cat: Catalog, V: np.ndarray, response: str, chunk: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """``g = W V`` for every line (``(n_lines, J)`` float32; ``chunkop.map`` over the lines, the
+    weights recomputed chunk by chunk, never stored) and ``|w|^2`` (float64, to measure truncations)."""
+    Vj = jnp.asarray(V, jnp.float32)
+
+    def one(row):
+        w = los.response_weights(row["d"], row["s"], cat.edges, response)
+        return w @ Vj, jnp.sum(w * w)
+
+    rows = {"d": jnp.asarray(cat.d), "s": jnp.asarray(cat.s)}
+    g, w2 = jax.jit(lambda r: chunkop.map(one, r, chunk_size=min(chunk, cat.n_los)))(rows)
+    return np.asarray(g), np.asarray(w2, np.float64)
+
+
+def truncate(cat: Catalog, g: np.ndarray, w2: np.ndarray, level: float) -> tuple[int, dict]:
+    """The fewest leading radial vectors ``J`` for which dropping the rest moves no line by more than
+    ``TRUNCATION`` noise sd on a rough sky, one of independent fluctuations of the mean density
+    ``level`` in every bin (``level |w - V_J g_J| / sigma``; a smooth sky moves far less). Returns
+    ``J`` and the measured errors (that bound's largest and rms values)."""
+    g64 = g.astype(np.float64)
+    left = np.maximum(w2[:, None] - np.cumsum(g64**2, axis=1), 0.0)  # |w - V_J g_J|^2 for J = 1, 2, ...
+    err = level * np.sqrt(left) / cat.sigma.astype(np.float64)[:, None]
+    worst = err.max(0)
+    ok = np.flatnonzero(worst <= TRUNCATION)
+    J = int(ok[0]) + 1 if ok.size else g.shape[1]
+    return J, {"J": J, "max_sigma": float(worst[J - 1]), "rms_sigma": float(np.sqrt(np.mean(err[:, J - 1] ** 2)))}
+
+
+# -- the latent grid and the data's sufficient statistics -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The latent plane-of-sky grid: blocks of ``factor x factor`` catalog pixels."""
+
+    nx: int
+    ny: int
+    factor: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return -(-self.nx // self.factor), -(-self.ny // self.factor)
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def of_pixel(self, pix: np.ndarray) -> np.ndarray:
+        """The latent pixel of each catalog pixel ``ix * ny + iy``."""
+        ix, iy = np.divmod(np.asarray(pix), self.ny)
+        return ((ix // self.factor) * self.shape[1] + iy // self.factor).astype(np.int32)
+
+
+def grid_for(nx: int, ny: int, max_pixels: int) -> Grid:
+    """The finest blocking of the ``nx x ny`` grid with at most ``max_pixels`` latent pixels."""
+    f = 1
+    while -(-nx // f) * -(-ny // f) > max_pixels:
+        f += 1
+    return Grid(nx, ny, f)
+
+
+class Data(eqx.Module):
+    """The catalog as the prior sees it on a latent grid: per latent pixel ``D_p = sum g g^T / sigma^2``
+    (``(n_lat, J, J)``) and ``t_p = sum g y / sigma^2`` (``(n_lat, J)``), float32; ``yy = sum y^2 /
+    sigma^2`` and ``log_norm = sum log(2 pi sigma^2)`` (float64)."""
+
+    D: jax.Array
+    t: jax.Array
+    yy: jax.Array
+    log_norm: jax.Array
+    grid: Grid = eqx.field(static=True)
+
+
+def latent_operator(g: np.ndarray, cpix: np.ndarray, n_lat: int, chunk: int = 8192) -> chunkop.RowOperator:
+    """The response on the latent grid, ``u (n_lat, J) -> y_l = g_l . u[cpix_l]``, a ``chunkop.RowOperator``
+    whose ``row_fn`` reads ``u[row["pix"]]``."""
+    rows = {"pix": jnp.asarray(cpix), "g": jnp.asarray(g, jnp.float32)}
+    struct = jax.ShapeDtypeStruct((n_lat, g.shape[1]), jnp.float32)
+    return chunkop.RowOperator(lambda row, u: row["g"] @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)))
+
+
+def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192) -> Data:
+    """:class:`Data` on ``grid``: ``t = A^T (y / sigma^2)`` and ``D = B^T (1 / sigma^2)`` with ``A`` the
+    latent response (:func:`latent_operator`) and ``B`` its outer-product twin (``row_fn`` reads one
+    latent pixel's ``J x J`` block), both chunked transposes."""
+    cpix = grid.of_pixel(cat.pix)
+    iv = 1.0 / cat.sigma.astype(np.float64) ** 2
+    A = latent_operator(g, cpix, grid.size, chunk)
+    J = g.shape[1]
+    rows = {"pix": jnp.asarray(cpix), "g": jnp.asarray(g, jnp.float32)}
+    B = chunkop.RowOperator(
+        lambda row, M: row["g"] @ M[row["pix"]] @ row["g"],
+        rows,
+        jax.ShapeDtypeStruct((grid.size, J, J), jnp.float32),
+        chunk_size=min(chunk, len(g)),
+    )
+    ivj = jnp.asarray(iv, jnp.float32)
+    t = jax.jit(lambda A, v: A.T.mv(v))(A, ivj * jnp.asarray(cat.y, jnp.float32))
+    D = jax.jit(lambda B, v: B.T.mv(v))(B, ivj)
+    yy = float(np.sum(cat.y.astype(np.float64) ** 2 * iv))
+    log_norm = float(np.sum(np.log(2 * np.pi / iv)))
+    return Data(D=D, t=t, yy=jnp.asarray(yy), log_norm=jnp.asarray(log_norm), grid=grid)
+
+
+# -- the prior ------------------------------------------------------------------------------------
+
+
+class Radial(eqx.Module):
+    """The radial geometry (float64): bin centres ``r``, widths ``db``, ``t`` (``r`` on [-1, 1]),
+    the basis ``V`` (``n_bins x J``). Build it under ``jax.enable_x64``."""
+
+    r: jax.Array
+    db: jax.Array
+    t: jax.Array
+    V: jax.Array
+
+    @classmethod
+    def of(cls, edges: np.ndarray, V: np.ndarray) -> Radial:
+        r = np.sqrt(edges[:-1] * edges[1:])
+        lo, hi = edges[0], edges[-1]
+        t = (2 * r - lo - hi) / (hi - lo)
+        return cls(*(jnp.asarray(a, jnp.float64) for a in (r, np.diff(edges), t, V)))
+
+
+def profile(theta: Any, rad: Radial) -> jax.Array:
+    """``mu_k = exp(a + b t_k + c t_k^2) / <exp(b t + c t^2)>_db``: ``exp(a)`` is its mean over distance."""
+    shape = theta[1] * rad.t + theta[2] * rad.t**2
+    w = rad.db / rad.db.sum()
+    return jnp.exp(theta[0] + shape - jnp.log(jnp.sum(w * jnp.exp(shape))))
+
+
+def radial_correlation(r: jax.Array, ell_r: Any) -> jax.Array:
+    """The exponential (Matern-1/2) correlation of the bins, ``exp(-|r_k - r_k'| / ell_r)``.
+
+    Args:
+        r: the bin centres (pc), ``(n_bins,)``.
+        ell_r: the correlation length (pc).
+
+    Returns:
+        ``(n_bins, n_bins)`` correlation matrix.
+    """
+    return jnp.exp(-jnp.abs(r[:, None] - r[None, :]) / ell_r)
+
+
+def sqrt_power(shape: tuple[int, int], ell: Any, slope: Any, zero_ratio: Any) -> jax.Array:
+    """Square root of the plane-of-sky power on the periodic latent grid (rfft2 layout): ``(1 + (2 pi
+    ell k)^2)^-slope`` scaled to unit pointwise variance over the non-zero modes, and ``n zero_ratio^2``
+    at ``k = 0`` (the sky-wide mean's variance ``zero_ratio^2``). ``ell`` in latent pixels."""
+    nx, ny = shape
+    k2 = np.fft.fftfreq(nx)[:, None] ** 2 + np.fft.rfftfreq(ny)[None, :] ** 2
+    mult = np.full(k2.shape, 2.0)  # rfft2 layout: the modes counted twice (their conjugates) ...
+    mult[:, 0] = 1.0  # ... except the ky = 0 column and, for even ny, the Nyquist column
+    if ny % 2 == 0:
+        mult[:, -1] = 1.0
+    raw = jnp.exp(-slope * jnp.log1p((2 * np.pi * ell) ** 2 * jnp.asarray(k2)))
+    nonzero = jnp.asarray(k2 > 0)
+    norm = jnp.sum(jnp.where(nonzero, raw * mult, 0.0)) / (nx * ny)
+    power = jnp.where(nonzero, raw / norm, nx * ny * zero_ratio**2)
+    return jnp.sqrt(power)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prior:
+    """``theta``'s prior on the latent grid: ``mu`` (``n_bins``), ``Sigma_r`` (``n_bins x n_bins``),
+    ``L`` (``J x J``, ``L L^T = V^T Sigma_r V``) and the square root of the plane-of-sky power."""
+
+    mu: jax.Array
+    sigma_r: jax.Array
+    L: jax.Array
+    sq: jax.Array
+    k0: jax.Array  # the plane-of-sky correlation's diagonal, 1 + (amp0 / amp)^2
+
+
+def prior_of(theta: Any, rad: Radial, grid: Grid) -> Prior:
+    """:class:`Prior` of ``theta`` (float64; differentiable)."""
+    mu = profile(theta, rad)
+    amp, amp0 = jnp.exp(theta[3]), jnp.exp(theta[4])
+    sig = amp * mu
+    sigma_r = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7])) * sig[None, :]
+    C = rad.V.T @ sigma_r @ rad.V
+    jitter = 1e-9 * jnp.trace(C) / C.shape[0]
+    L = jnp.linalg.cholesky(C + jitter * jnp.eye(C.shape[0]))
+    zero_ratio = amp0 / amp
+    sq = sqrt_power(grid.shape, jnp.exp(theta[5]) / grid.factor, jnp.exp(theta[6]), zero_ratio)
+    return Prior(mu=mu, sigma_r=sigma_r, L=L, sq=sq, k0=1.0 + zero_ratio**2)
+
+
+def hyperprior(theta: Any) -> jax.Array:
+    """``log`` hyperprior density (up to a constant): ``b, c ~ N(0, SHAPE_PRIOR_SD^2)``, flat otherwise."""
+    return -0.5 * (theta[1] ** 2 + theta[2] ** 2) / SHAPE_PRIOR_SD**2
+
+
+# -- the posterior on the latent grid -------------------------------------------------------------
+
+
+def _mix(M: jax.Array, z: jax.Array) -> jax.Array:
+    """``M`` (``J' x J``) applied to the channels of ``z`` (``(..., J, nx, ny)``)."""
+    return jnp.einsum("ij,...jxy->...ixy", M.astype(z.real.dtype), z)
+
+
+def _dmul(D: jax.Array, u: jax.Array) -> jax.Array:
+    """``D_p u_p`` per latent pixel for ``u`` of shape ``(J, nx, ny)``."""
+    J, nx, ny = u.shape
+    return jnp.einsum("pij,pj->pi", D, u.reshape(J, -1).T).T.reshape(J, nx, ny)
+
+
+def _multiplicity(shape: tuple[int, int]) -> np.ndarray:
+    """How many Fourier modes each rfft2 coefficient of an ``nx x ny`` real field stands for (1 or 2:
+    itself and its conjugate)."""
+    nx, ny = shape
+    mult = np.full((nx, ny // 2 + 1), 2.0)
+    mult[:, 0] = 1.0
+    if ny % 2 == 0:
+        mult[:, -1] = 1.0
+    return mult
+
+
+def rotation_of(prior: Prior, data: Data) -> tuple[jax.Array, jax.Array]:
+    """``(lambda, E)``: the eigen-decomposition of ``L^T mean(D) L``; ``E`` are the channels
+    :class:`System` solves in. Computed once per solve and handed on (:func:`solve_all` returns it):
+    where eigenvalues are (nearly) degenerate, two ``eigh`` calls may return different bases."""
+    Dbar = prior.L.T @ jnp.mean(data.D, axis=0).astype(prior.L.dtype) @ prior.L
+    return jnp.linalg.eigh(0.5 * (Dbar + Dbar.T))
+
+
+class System:
+    """The whitened normal equations ``H z = rhs``, ``H = I + (K^1/2 (x) L^T) D (K^1/2 (x) L)``, solved
+    for the rfft2 coefficients of ``z`` (``(J, nx, ny // 2 + 1)`` complex64; ``dot`` is the real
+    fields' dot product) in the channels that diagonalise the mean ``D`` (``L E``, ``E`` the
+    eigenvectors of ``L^T mean(D) L``): ``K^1/2`` is then diagonal, each product with ``H`` one pair of
+    FFTs and one ``J x J`` product per pixel (``W_p = (L E)^T D_p L E``), and the preconditioner (the
+    exact ``H^-1`` for the mean ``D``, ``1 / (1 + P(k) lambda_j)``) a diagonal."""
+
+    def __init__(self, data: Data, prior: Prior, rad: Radial, rotation: tuple[jax.Array, jax.Array]):
+        self.data, self.shape = data, data.grid.shape
+        L = prior.L
+        lam, E = rotation
+        self.L = jnp.asarray(L @ E, jnp.float32)  # u = L E z
+        self.sq = jnp.asarray(prior.sq, jnp.float32)
+        self.mu_v = jnp.asarray(rad.V.T @ prior.mu, jnp.float32)  # V^T mu
+        self.W = jnp.einsum("ji,pjk,kl->ilp", self.L, data.D, self.L)  # (J, J, n_lat)
+        self.inv = jnp.asarray(1.0 / (1.0 + self.sq[None] ** 2 * jnp.maximum(lam, 0.0)[:, None, None]), jnp.float32)
+        self.w = jnp.asarray(_multiplicity(self.shape) / (self.shape[0] * self.shape[1]), jnp.float32)
+
+    def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
+        return jnp.sum(self.w * (a.real * b.real + a.imag * b.imag))
+
+    def to_u(self, zh: jax.Array) -> jax.Array:
+        """``u = (K^1/2 (x) L E) z``: the data-seen field ``V^T f`` per latent pixel, ``(J, nx, ny)`` real."""
+        return _mix(self.L, jnp.fft.irfft2(zh * self.sq, s=self.shape))
+
+    def from_u(self, v: jax.Array) -> jax.Array:
+        """The transpose of :meth:`to_u` (rfft2 coefficients)."""
+        return jnp.fft.rfft2(_mix(self.L.T, v)) * self.sq
+
+    def H(self, zh: jax.Array) -> jax.Array:
+        x = jnp.fft.irfft2(zh * self.sq, s=self.shape)
+        J, nx, ny = x.shape
+        wx = jnp.einsum("ijp,jp->ip", self.W, x.reshape(J, nx * ny)).reshape(J, nx, ny)
+        return zh + jnp.fft.rfft2(wx) * self.sq
+
+    def M(self, zh: jax.Array) -> jax.Array:
+        return self.inv * zh
+
+    def rhs(self) -> jax.Array:
+        """``A^T N^-1 (y - A mu)`` whitened: ``from_u(t - D V^T mu)``."""
+        nx, ny = self.shape
+        J = self.L.shape[0]
+        t = self.data.t.T.reshape(J, nx, ny)
+        return self.from_u(t - _dmul(self.data.D, jnp.broadcast_to(self.mu_v[:, None, None], t.shape)))
+
+    def perturbation(self, noise: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """``e1 + A^T N^-1 e2`` (``e1 ~ N(0, I)``, ``e2 ~ N(0, N)``): ``H^-1`` of it is a posterior sample
+        less the mean. ``noise = (e1, D^1/2 e)`` from :func:`draw_noise` (``A^T N^-1 e2`` before
+        whitening, per latent pixel, is ``D_p^1/2 e`` in law, ``e ~ N(0, I_J)``; ``e1``'s law is the
+        same in any orthonormal channels)."""
+        return jnp.fft.rfft2(noise[0]) + self.from_u(noise[1])
+
+
+def draw_noise(data: Data, key: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
+    """``n`` draws of the two noises of :meth:`System.perturbation` (independent of ``theta``: the same
+    draws serve every step of the hyperparameters' fit), ``(n, J, nx, ny)`` float32 each."""
+    k1, k2 = jax.random.split(key)
+    nx, ny = data.grid.shape
+    J = data.t.shape[-1]
+    w, Q = jnp.linalg.eigh(data.D)
+    root = (Q * jnp.sqrt(jnp.maximum(w, 0.0))[:, None, :]) @ jnp.swapaxes(Q, 1, 2)
+    e = jax.random.normal(k2, (n, nx * ny, J), jnp.float32)
+    e2 = jnp.swapaxes(jnp.einsum("pij,npj->npi", root, e), 1, 2).reshape(n, J, nx, ny)
+    return jax.random.normal(k1, (n, J, nx, ny), jnp.float32), e2
+
+
+def pcg(H: Callable, M: Callable, dot: Callable, b: jax.Array, x0: jax.Array, iters: int, tol: float):
+    """Preconditioned CG for ``H x = b`` from ``x0`` (a ``lax.while_loop``; ``dot`` the inner product).
+    ``H`` is the posterior precision in whitened coordinates, so the error's ``H``-norm counts
+    posterior sd: it stops when ``r^T M r`` (``M ~ H^-1``: that norm, squared) is at most ``tol^2``
+    times the dimension ``n`` (an error of about ``tol`` posterior sd per degree of freedom).
+    Returns ``(x, steps, sqrt(r^T M r / n))``."""
+    n = dot(jnp.ones_like(b), jnp.ones_like(b)) * b.shape[-2] * b.shape[-1]  # the real fields' dimension
+    r = b - H(x0)
+    z = M(r)
+    rz0 = dot(r, z)
+
+    def cond(st):
+        return (st[0] < iters) & (st[4] > tol**2 * n)
+
+    def body(st):
+        k, x, r, p, rz = st
+        Hp = H(p)
+        alpha = rz / dot(p, Hp)
+        x, r = x + alpha * p, r - alpha * Hp
+        z = M(r)
+        rz_new = dot(r, z)
+        return k + 1, x, r, z + (rz_new / rz) * p, rz_new
+
+    k, x, _, _, rz = jax.lax.while_loop(cond, body, (jnp.int32(0), x0, r, z, rz0))
+    return x, k, jnp.sqrt(jnp.maximum(rz, 0.0) / n)
+
+
+@functools.partial(jax.jit, static_argnames=("iters", "tol"))
+def solve_all(theta, data: Data, rad: Radial, noise, z0, iters: int, tol: float):
+    """The posterior mean (whitened, rfft2 coefficients) and one perturbation per draw of ``noise``, each
+    by PCG from ``z0`` (``(1 + n, J, nx, ny // 2 + 1)`` complex64); returns ``(z, steps, error
+    estimates, E)``, ``E`` the channels the ``z`` are in (:func:`rotation_of`). Call under
+    ``jax.enable_x64`` (``theta`` float64)."""
+    prior = prior_of(theta, rad, data.grid)
+    rotation = rotation_of(prior, data)
+    S = System(data, prior, rad, rotation)
+    solve = lambda b, x0: pcg(S.H, S.M, S.dot, b, x0, iters, tol)
+    mean = solve(S.rhs(), z0[0])  # alone: it takes the most steps
+    pert = jax.vmap(solve)(jax.vmap(S.perturbation)(noise), z0[1:])
+    return (*(jnp.concatenate([m[None], p]) for m, p in zip(mean, pert)), rotation[1])
+
+
+def zeros(data: Data, n: int) -> jax.Array:
+    """``n`` whitened fields of zeros, as :func:`solve_all` holds them."""
+    nx, ny = data.grid.shape
+    return jnp.zeros((n, data.t.shape[-1], nx, ny // 2 + 1), jnp.complex64)
+
+
+def log_likelihood(theta: Any, data: Data, rad: Radial, zs: jax.Array, rotation: jax.Array) -> jax.Array:
+    """``mean_s log p(y | z_s, theta)`` up to a constant, for whitened fields ``zs`` (rfft2 coefficients,
+    ``(S, J, nx, ny // 2 + 1)``), from the per-pixel statistics: ``-1/2 sum_p (v_p^T D_p v_p - 2 t_p .
+    v_p)``, ``v_p = V^T mu + u_p``, ``u = (K^1/2 (x) L E) z`` with ``E = rotation`` held fixed (the
+    channels the samples were solved in, returned by :func:`solve_all`)."""
+    prior = prior_of(theta, rad, data.grid)
+    mu_v = rad.V.T @ prior.mu
+    L, sq = (prior.L @ jax.lax.stop_gradient(rotation)).astype(jnp.float32), prior.sq.astype(jnp.float32)
+    J = L.shape[0]
+
+    def one(z):
+        v = _mix(L, jnp.fft.irfft2(z * sq, s=data.grid.shape)).reshape(J, -1).T + mu_v.astype(jnp.float32)
+        Dv = jnp.einsum("pij,pj->pi", data.D, v)
+        return -0.5 * (jnp.sum(v * Dv) - 2.0 * jnp.sum(data.t * v))
+
+    return chunkop.mean(one, in_axes=0, chunk_size=2)(zs)
+
+
+@jax.jit
+def hyper_grad(theta, data: Data, rad: Radial, zs: jax.Array, E: jax.Array):
+    """``log p(y | z_s, theta) + log hyperprior`` averaged over the samples ``zs``, and its gradient in
+    ``theta``: the log evidence's gradient when ``zs`` are posterior samples (Fisher's identity; the
+    samples' channels ``E``, those :func:`solve_all` solved them in at ``theta``, held fixed)."""
+    return jax.value_and_grad(lambda th: log_likelihood(th, data, rad, zs, E) + hyperprior(th))(theta)
+
+
+# -- the hyperparameters ------------------------------------------------------------------------------
+
+
+def pixelwise_evidence(theta: Any, data: Data, rad: Radial) -> jax.Array:
+    """``log p(y | theta)`` (exact, float64) of the model with the plane-of-sky correlation dropped:
+    every latent pixel's field independent, ``u_p = L (z_p + (amp0 / amp) z_0)`` with the sky-wide
+    zero mode ``z_0`` kept (the joint precision is block-arrow: per-pixel ``B_p = I + L^T D_p L``, then
+    the ``J x J`` Schur complement of ``z_0``). Its maximum is a composite-likelihood estimate of the
+    radial hyperparameters (each pixel's marginal is the full model's): the full fit's start."""
+    prior = prior_of(theta, rad, data.grid)
+    L, ratio = prior.L, prior.k0 - 1.0
+    D, t = data.D.astype(L.dtype), data.t.astype(L.dtype)
+    mu_v = rad.V.T @ prior.mu
+    W = jnp.einsum("ji,pjk,kl->pil", L, D, L)
+    b = (t - D @ mu_v) @ L
+    B = jnp.eye(L.shape[0]) + W
+    cB = jnp.linalg.cholesky(B)
+    Bb = jax.scipy.linalg.cho_solve((cB, True), b[..., None])[..., 0]  # B_p^-1 b_p
+    # sum_p W_p B_p^-1 = sum_p (I - B_p^-1), B_p^-1 = (cB_p^-1)^T cB_p^-1 (a batched triangular solve:
+    # the gradient of jax's batched cho_solve with a matrix right-hand side hangs on some CPUs, jax 0.10)
+    J = L.shape[0]
+    Li = jax.scipy.linalg.solve_triangular(cB, jnp.broadcast_to(jnp.eye(J), cB.shape), lower=True)
+    S = jnp.eye(J) + ratio * (W.shape[0] * jnp.eye(J) - jnp.sum(jnp.swapaxes(Li, 1, 2) @ Li, 0))
+    s_ = jnp.sqrt(ratio) * jnp.sum(Bb, 0)
+    cS = jnp.linalg.cholesky(0.5 * (S + S.T))
+    quad = jnp.sum(b * Bb) + s_ @ jax.scipy.linalg.cho_solve((cS, True), s_)
+    rr = data.yy - 2 * jnp.sum(t @ mu_v) + jnp.einsum("i,pij,j->", mu_v, D, mu_v)
+    logdet = 2 * jnp.sum(jnp.log(jnp.diagonal(cB, axis1=1, axis2=2))) + 2 * jnp.sum(jnp.log(jnp.diag(cS)))
+    return -0.5 * (rr - quad + logdet + data.log_norm) + hyperprior(theta)
+
+
+def mean_profile_fit(cat: Catalog, g: np.ndarray, rad: Radial) -> np.ndarray:
+    """``(a, b, c)`` of the log-quadratic profile whose predictions ``w_l . mu`` fit the lines best
+    (Gauss-Newton on ``sum_l ((y_l - w_l . mu) / sigma_l)^2``, from the flat profile at the
+    least-squares level): the starting mean profile of the hyperparameters' fit."""
+    G = np.asarray(g, np.float64) @ np.asarray(rad.V).T  # w_l, as the basis keeps it (n_lines, n_bins)
+    iv = 1.0 / cat.sigma.astype(np.float64) ** 2
+    y = cat.y.astype(np.float64)
+    flat = np.asarray(profile(jnp.zeros(3), rad))
+    m0 = G @ flat
+    p = np.array([np.log(max(np.sum(y * m0 * iv) / np.sum(m0 * m0 * iv), 1e-30)), 0.0, 0.0])
+    basis = np.stack([np.ones_like(np.asarray(rad.t)), np.asarray(rad.t), np.asarray(rad.t) ** 2], 1)
+    for _ in range(30):
+        mu = np.asarray(profile(jnp.asarray(p), rad))
+        Jm = G @ (mu[:, None] * (basis - (np.asarray(rad.db) * mu) @ basis / (np.asarray(rad.db) @ mu) * [0, 1, 1]))
+        r = y - G @ mu
+        step = np.linalg.lstsq(Jm * np.sqrt(iv)[:, None], r * np.sqrt(iv), rcond=None)[0]
+        p = p + np.clip(step, -1.0, 1.0)
+        if np.max(np.abs(step)) < 1e-6:
+            break
+    return p
+
+
+def start_and_bounds(cat: Catalog, g: np.ndarray, rad: Radial) -> tuple[np.ndarray, list]:
+    """Generic starting values (the best-fitting log-quadratic mean profile, field sd 0.5, a tenth of
+    the grid across, 1/20 of the distance range along the line) and bounds for ``theta``."""
+    abc = mean_profile_fit(cat, g, rad)
+    span = float(cat.edges[-1] - cat.edges[0])
+    n = max(cat.nx, cat.ny)
+    theta0 = np.array([*abc, np.log(0.5), np.log(0.5), np.log(n / 10.0), np.log(2.0), np.log(span / 20.0)])
+    bounds = [
+        (abc[0] - 20.0, abc[0] + 20.0),
+        (-6.0, 6.0),
+        (-6.0, 6.0),
+        (np.log(1e-3), np.log(10.0)),
+        (np.log(1e-3), np.log(10.0)),
+        (np.log(0.3), np.log(float(n))),
+        (np.log(1.05), np.log(50.0)),
+        (np.log(float(np.min(np.diff(cat.edges)))), np.log(10.0 * span)),
+    ]
+    theta0[1:3] = np.clip(theta0[1:3], -6.0, 6.0)
+    return theta0, bounds
+
+
+def _gradient(theta: np.ndarray, data: Data, rad: Radial, noise: tuple, z: jax.Array, o: dict) -> tuple:
+    """The log evidence's gradient at ``theta`` estimated with the posterior samples ``mean +- H^-1 noise``
+    (:func:`hyper_grad`), the solves started from ``z``; returns ``(gradient, z, CG steps)``."""
+    th = jnp.asarray(theta, jnp.float64)
+    z, k, _, E = solve_all(th, data, rad, noise, z, o["cg_iters"], o["tol"])
+    _, grad = hyper_grad(th, data, rad, jnp.concatenate([z[0] + z[1:], z[0] - z[1:]]), E)
+    return np.asarray(grad, np.float64), z, int(jnp.max(k))
+
+
+def _line_search(theta, g, step, lo, hi, gradient: Callable, z, probes: int = 2):
+    """Along ``step`` (an ascent direction), the point where the directional derivative has fallen to
+    at most half its start value (a curvature condition), by secant steps on it: extrapolating while
+    it stays large (at most 4x a time), interpolating once it changes sign. Returns the point, its
+    gradient, the solves' end state and their CG steps."""
+    d0 = float(g @ step)
+    a_lo, d_lo, a_hi, d_hi = 0.0, d0, None, None
+    a, out, cg = 1.0, None, []
+    for _ in range(probes):
+        new = np.clip(theta + a * step, lo, hi)
+        g_new, z_new, k = gradient(new, z)
+        cg.append(k)
+        out = (new, g_new, z_new)
+        d = float(g_new @ step)
+        if abs(d) <= 0.5 * abs(d0) or np.allclose(new, np.clip(theta + 4 * a * step, lo, hi)):
+            break
+        if d > 0:
+            a_lo, d_lo = a, d
+            a = a * min(4.0, max(1.5, d_lo / max(d0 - d, 1e-30))) if a_hi is None else a
+        else:
+            a_hi, d_hi = a, d
+        if a_hi is not None:
+            a = a_lo + (a_hi - a_lo) * d_lo / (d_lo - d_hi)  # secant root of the directional derivative
+    return (*out, cg)
+
+
+def _negative_definite(H: np.ndarray, floor: float = 1e-3) -> np.ndarray:
+    """``H`` symmetrised, its eigenvalues made at most ``-floor`` times the largest magnitude."""
+    w, Q = np.linalg.eigh(0.5 * (H + H.T))
+    cap = floor * np.max(np.abs(w))
+    return (Q * np.minimum(w, -cap)) @ Q.T
+
+
+def fit_hyperparameters(
+    data: Data, rad: Radial, theta0: np.ndarray, bounds: list, log: Callable = print, seed: int = 0, **opts: Any
+) -> dict:
+    """Type-II MAP of ``theta``: the root of the log evidence's gradient (plus the hyperprior's), the
+    gradient estimated with ``pairs`` mirrored posterior samples whose random numbers are drawn once
+    (a sample-average approximation: a smooth, deterministic function of ``theta``). Quasi-Newton:
+    the Hessian by forward differences at the start (``fd_step``), then BFGS updates, each step at
+    most ``max_step`` in every coordinate; stops when the predicted gain ``g^T (-H)^-1 g / 2`` is
+    below ``gain`` nats, or after ``steps``. ``opts`` override :data:`LEARN`. Returns ``theta``, the
+    Hessian (its inverse's diagonal: the Laplace sd), the path and the effort. Call under
+    ``jax.enable_x64``."""
+    o = {**LEARN, **opts}
+    lo, hi = np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds])
+    noise = draw_noise(data, jax.random.key(seed), o["pairs"])
+    z = zeros(data, 1 + o["pairs"])
+    t0 = time.perf_counter()
+    theta = np.clip(np.asarray(theta0, np.float64), lo, hi)
+    moving = np.array([n not in o["fixed"] for n in NAMES])
+    g, z, k = _gradient(theta, data, rad, noise, z, o)
+    cg = [k]
+    H = -np.eye(theta.size)
+    for i in np.flatnonzero(moving):  # forward differences, each solve started from the base point's
+        e = np.zeros_like(theta)
+        e[i] = o["fd_step"] if theta[i] + o["fd_step"] <= hi[i] else -o["fd_step"]
+        gi, _, k = _gradient(theta + e, data, rad, noise, z, o)
+        H[moving, i] = (gi - g)[moving] / e[i]
+        cg.append(k)
+    H = _negative_definite(H)
+    path, gains = [theta.tolist()], []
+    for it in range(o["steps"]):
+        # coordinates at a bound whose gradient points out of the box stay there (an active set)
+        free = moving & ~(((theta <= lo + 1e-9) & (g < 0)) | ((theta >= hi - 1e-9) & (g > 0)))
+        step = np.zeros_like(theta)
+        step[free] = -np.linalg.solve(H[np.ix_(free, free)], g[free])
+        gains.append(float(0.5 * g @ step))
+        log(
+            f"  hyperparameters {it}: "
+            + ", ".join(f"{n}={x:.3g}" for n, x in zip(NAMES, theta))
+            + f"; predicted gain {gains[-1]:.3g} nats (CG {cg[-1]} steps, <= {max(cg)}; {len(cg)} gradients; "
+            f"{time.perf_counter() - t0:.1f}s)"
+        )
+        if gains[-1] < o["gain"] or len(cg) >= o["max_gradients"]:
+            break
+        step *= min(1.0, o["max_step"] / np.max(np.abs(step)))
+        new, g_new, z, probes = _line_search(
+            theta, g, step, lo, hi, lambda t, z: _gradient(t, data, rad, noise, z, o), z
+        )
+        cg.extend(probes)
+        s_, y_ = (new - theta) * moving, -(g_new - g) * moving  # BFGS on B = -H (positive definite)
+        B = -H
+        if s_ @ y_ > 1e-12 * np.linalg.norm(s_) * np.linalg.norm(y_):
+            Bs = B @ s_
+            B = B - np.outer(Bs, Bs) / (s_ @ Bs) + np.outer(y_, y_) / (s_ @ y_)
+        H = _negative_definite(-B)
+        theta, g = new, g_new
+        path.append(theta.tolist())
+    cov = np.zeros_like(H)
+    cov[np.ix_(moving, moving)] = np.linalg.inv(-H[np.ix_(moving, moving)])  # Laplace, the fixed ones exact
+    return {
+        "theta": theta.tolist(),
+        "theta_sd": np.sqrt(np.diag(cov)).tolist(),
+        "theta_cov": cov.tolist(),
+        "gradient": g.tolist(),
+        "predicted_gain": gains[-1],
+        "names": list(NAMES),
+        "bounds": [list(b) for b in bounds],
+        "at_bound": [
+            NAMES[i] for i in range(len(NAMES)) if min(theta[i] - lo[i], hi[i] - theta[i]) < 1e-3 * (hi[i] - lo[i])
+        ],
+        "path": path,
+        "cg_steps": cg,
+        "gradient_evaluations": len(cg),
+        "seconds": time.perf_counter() - t0,
+        "options": o,
+    }
+
+
+# -- the posterior sky -----------------------------------------------------------------------------
+
+
+def posterior(
+    theta: Any,
+    data: Data,
+    rad: Radial,
+    functionals: np.ndarray,
+    pairs: int = 16,
+    seed: int = 1,
+    iters: int = 1000,
+    tol: float = 0.01,
+) -> dict:
+    """The posterior given ``theta`` on the latent grid, from ``pairs`` mirrored exact samples (the
+    prior's variance unseen by the data added analytically): per latent pixel the mean sky and its sd
+    (``mean``, ``std``: ``(n_lat, n_bins)`` float32), and for each row ``c`` of ``functionals``
+    (``(m, n_bins)``, e.g. the bin widths: the distance-integrated column) the posterior mean of
+    ``c . sky_p`` and its sd (correlations between bins included): ``fmean``, ``fstd`` (``(n_lat, m)``),
+    with their prior sd ``fprior_sd`` (``(m,)``); ``prior_sd`` per bin, the profile ``mu``, CG effort.
+    Call under ``jax.enable_x64``."""
+    th = jnp.asarray(theta, jnp.float64)
+    prior = prior_of(th, rad, data.grid)
+    noise = draw_noise(data, jax.random.key(seed), pairs)
+    z, k, rel, rot = solve_all(th, data, rad, noise, zeros(data, 1 + pairs), iters, tol)
+    zt = jnp.fft.irfft2(z * prior.sq.astype(jnp.float32), s=data.grid.shape)  # K^1/2 z
+    zt = jnp.swapaxes(zt.reshape(1 + pairs, -1, data.grid.size), 1, 2)
+    E = jax.scipy.linalg.solve_triangular(prior.L, (prior.sigma_r @ rad.V).T, lower=True).T  # Sigma_r V L^-T
+    cond = prior.k0 * jnp.clip(jnp.diag(prior.sigma_r) - jnp.sum(E * E, 1), 0.0)
+    E = E @ rot  # the channels the solves are in
+    C = jnp.asarray(functionals, jnp.float64)
+    cond_f = prior.k0 * jnp.maximum(jnp.einsum("mi,ij,mj->m", C, prior.sigma_r, C) - jnp.sum((C @ E) ** 2, 1), 0.0)
+    E32, mu32 = E.astype(jnp.float32), prior.mu.astype(jnp.float32)
+    mean = mu32 + zt[0] @ E32.T
+    var = jnp.zeros_like(mean)
+    for s in range(pairs):  # one sample at a time: no (pairs, n_lat, n_bins) array
+        var = var + (zt[1 + s] @ E32.T) ** 2
+    var = var / pairs + cond.astype(jnp.float32)
+    f_dev = np.asarray(zt[1:] @ (C @ E).T.astype(jnp.float32), np.float64)  # (pairs, n_lat, m)
+    return {
+        "mean": np.asarray(mean),
+        "std": np.asarray(jnp.sqrt(var)),
+        "fmean": np.asarray(mean, np.float64) @ np.asarray(functionals, np.float64).T,
+        "fstd": np.sqrt(np.mean(f_dev**2, 0) + np.asarray(cond_f)[None, :]),
+        "fprior_sd": np.sqrt(np.asarray(prior.k0 * jnp.einsum("mi,ij,mj->m", C, prior.sigma_r, C))),
+        "prior_sd": np.sqrt(np.asarray(prior.k0 * jnp.diag(prior.sigma_r))),
+        "mu": np.asarray(prior.mu),
+        "cg_iterations": int(jnp.max(k)),
+        "cg_error_sd": float(jnp.max(rel)),
+    }
+
+
+# -- the whole reconstruction ---------------------------------------------------------------------
+
+
+def _pixel_evidence_fit(
+    data: Data, rad: Radial, theta0: np.ndarray, bounds: list, free: tuple, steps: int = 40, log: Callable = print
+) -> np.ndarray:
+    """Maximise :func:`pixelwise_evidence` over the hyperparameters named in ``free``, the others held
+    at ``theta0``: Newton steps with the exact Hessian (made negative definite), each at most 1 in
+    every coordinate, halved until the evidence rises. Call under ``jax.enable_x64``."""
+    idx = np.array([NAMES.index(n) for n in free])
+    lo, hi = np.array([bounds[i][0] for i in idx]), np.array([bounds[i][1] for i in idx])
+    base = jnp.asarray(theta0, jnp.float64)
+
+    def f(x):
+        return pixelwise_evidence(base.at[idx].set(x), data, rad)
+
+    fj = jax.jit(f)
+    fg = jax.jit(jax.value_and_grad(f))
+
+    def grad(x: np.ndarray) -> np.ndarray:
+        return np.asarray(jax.block_until_ready(fg(jnp.asarray(x)))[1], np.float64)
+
+    def fgh(x: np.ndarray) -> tuple:
+        """The value, gradient and Hessian (central differences of the exact gradient, step 1e-4)."""
+        v, g = jax.block_until_ready(fg(jnp.asarray(x)))
+        H = np.stack([(grad(x + e) - grad(x - e)) / 2e-4 for e in 1e-4 * np.eye(x.size)])
+        return float(v), np.asarray(g, np.float64), 0.5 * (H + H.T)
+
+    x = np.clip(np.asarray(theta0, np.float64)[idx], lo, hi)
+    v, g, H = fgh(x)
+    for _ in range(steps):
+        step = -np.linalg.solve(_negative_definite(H), g)
+        step *= min(1.0, 1.0 / np.max(np.abs(step)))
+        for _ in range(30):
+            new = np.clip(x + step, lo, hi)
+            v_new = float(fj(jnp.asarray(new)))
+            if np.isfinite(v_new) and v_new >= v:
+                break
+            step = step / 2
+        else:
+            break
+        gain, x = v_new - v, new
+        v, g, H = fgh(x)
+        if gain < 1e-3:
+            break
+    log(f"  pixel-by-pixel evidence {v:.1f}: " + ", ".join(f"{n}={t:.3g}" for n, t in zip(free, x)))
+    out = np.array(theta0, np.float64)
+    out[idx] = x
+    return out
+
+
+#: what the posterior's summaries may be trusted for: a pixel's column is "constrained" when the data
+#: cut its prior sd by at least this factor
+CONSTRAINED = 2.0
+
+
+def reconstruct(
+    cat: Catalog,
+    response: str = "standard",
+    *,
+    samples: int = 32,
+    chunk: int = 8192,
+    learn_gradients: int = LEARN["max_gradients"],
+    log: Callable = print,
+) -> dict:
+    """The 3-D prior's reconstruction of ``cat`` seen through ``response``, from the catalog alone.
+
+    Compresses the lines onto the radial basis (:func:`radial_basis`, :func:`truncate`), learns
+    ``theta``: first the radial hyperparameters by the exact pixel-by-pixel evidence
+    (:func:`pixelwise_evidence`), then all but the mean profile's by the full model's evidence
+    (:func:`fit_hyperparameters`, at most ``learn_gradients`` stochastic gradients; 0: skip), and
+    solves the posterior with ``samples`` samples (rounded up to pairs; at least 2).
+
+    Args:
+        cat: the catalog (``catalog.Catalog``).
+        response: ``"standard"`` or ``"seed"`` (``los.RESPONSES``).
+        samples: posterior samples (mirrored pairs) for the sd.
+        chunk: lines per chunk of the chunked passes over the lines.
+        learn_gradients: the most stochastic gradients of the full evidence (0: the pixel-by-pixel fit only).
+        log: where progress lines go.
+
+    Returns:
+        ``{"mean", "std"}`` (``(n_pix, n_bins)`` float32), ``column``, ``column_std``, ``wcolumn``,
+        ``wcolumn_std`` (``(n_pix,)``: the distance-integrated and ``1/r^2``-weighted columns, sd from
+        the samples, bin correlations included), ``column_prior_sd`` (``(n_pix,)``), ``prior_sd`` and
+        ``mu`` (``(n_bins,)``), ``hyper`` (the learned ``theta`` and the fit's record), ``basis``
+        (the radial basis' record) and ``posterior`` (CG effort).
+    """
+    t0 = time.perf_counter()
+    V, sv = radial_basis(cat, response)
+    g, w2 = compress_lines(cat, V, response, chunk)
+    level = _level(cat, g, V)
+    J, trunc = truncate(cat, g, w2, level)
+    V, g = V[:, :J], np.ascontiguousarray(g[:, :J])
+    log(
+        f"radial basis: {J} of {cat.n_bins} vectors (singular values {', '.join(f'{v:.2g}' for v in sv[:4])}, ...; "
+        f"truncation moves a line by <= {trunc['max_sigma']:.2f} noise sd on a rough sky, rms {trunc['rms_sigma']:.2f})"
+    )
+    with jax.enable_x64(True):
+        rad = Radial.of(cat.edges, V)
+        theta0, bounds = start_and_bounds(cat, g, rad)
+        learn_grid = grid_for(cat.nx, cat.ny, MAX_LEARN)
+        data = data_on(cat, g, learn_grid, chunk)
+        radial_names = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_r")
+        theta = _pixel_evidence_fit(data, rad, theta0, bounds, radial_names, log=log)
+        fit = {"pixelwise_theta": theta.tolist()}
+        if learn_gradients > 0:
+            fit.update(fit_hyperparameters(data, rad, theta, bounds, log=log, max_gradients=learn_gradients))
+            theta = np.asarray(fit["theta"])
+        post_grid = grid_for(cat.nx, cat.ny, MAX_LATENT)
+        if post_grid != learn_grid:
+            data = data_on(cat, g, post_grid, chunk)
+        db = np.diff(cat.edges)
+        dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
+        post = posterior(theta, data, rad, np.stack([db, dib]), pairs=max(1, -(-samples // 2)))
+    lat = post_grid.of_pixel(np.arange(cat.n_pix))
+    lo, hi = np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds])
+    at_bound = [n for n, t, a, b in zip(NAMES, theta, lo, hi) if min(t - a, b - t) < 1e-3 * (b - a)]
+    hyper = {
+        "names": list(NAMES),
+        "theta": [float(t) for t in theta],
+        "bounds": [list(map(float, b)) for b in bounds],
+        "at_bound": at_bound,
+        "amp": float(np.exp(theta[3])),
+        "amp0": float(np.exp(theta[4])),
+        "ell_pixels": float(np.exp(theta[5])),
+        "slope": float(np.exp(theta[6])),
+        "ell_r_pc": float(np.exp(theta[7])),
+        "latent_factor": post_grid.factor,
+        "learn_factor": learn_grid.factor,
+        "fit": {k: v for k, v in fit.items() if k not in ("theta_cov", "options")},
+    }
+    log(
+        "learned: "
+        + ", ".join(f"{n}={t:.3g}" for n, t in zip(NAMES, theta))
+        + f" (field sd {hyper['amp']:.2f} x mean, along the line {hyper['ell_r_pc']:.0f} pc, on the sky "
+        f"{hyper['ell_pixels']:.1f} px; {time.perf_counter() - t0:.1f}s)"
+    )
+    return {
+        "mean": post["mean"][lat],
+        "std": post["std"][lat],
+        "column": post["fmean"][lat, 0],
+        "column_std": post["fstd"][lat, 0],
+        "wcolumn": post["fmean"][lat, 1],
+        "wcolumn_std": post["fstd"][lat, 1],
+        "column_prior_sd": np.full(cat.n_pix, post["fprior_sd"][0]),
+        "prior_sd": post["prior_sd"],
+        "mu": post["mu"],
+        "hyper": hyper,
+        "basis": {"J": J, "singular_values_rel": [float(v) for v in sv[:8]], **trunc},
+        "posterior": {"cg_iterations": post["cg_iterations"], "cg_error_sd": post["cg_error_sd"], "samples": samples},
+    }
+
+
+def _level(cat: Catalog, g: np.ndarray, V: np.ndarray) -> float:
+    """A rough mean density: the least-squares level of a flat sky, ``sum y m / sum m^2`` with ``m_l`` the
+    line's prediction for a density of 1 everywhere (``w_l . 1 = g_l . V^T 1``)."""
+    m = g.astype(np.float64) @ (V.T @ np.ones(V.shape[0]))
+    iv = 1.0 / cat.sigma.astype(np.float64) ** 2
+    return float(max(np.sum(cat.y * m * iv) / np.sum(m * m * iv), 1e-30))
