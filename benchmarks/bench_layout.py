@@ -36,7 +36,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from explore_window import temp_mib, timed  # (this folder: the interleaved timing, the temp memory)
+from explore_window import machine_info, temp_mib, timed  # (this folder: timing, temp memory, the machine)
 
 import chunkop
 
@@ -203,13 +203,7 @@ def main() -> None:
     sizes = (
         [int(float(dn) * a.n_pix) for dn in a.density.split(",")] if a.density else [int(v) for v in a.lines.split(",")]
     )
-    info = {
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "load": os.getloadavg(),
-    }
-    print(info, flush=True)
+    info = machine_info()
     results = []
     for nb in [int(b) for b in a.n_bins.split(",")]:
         for n in sizes:

@@ -146,6 +146,18 @@ def timed(fns: dict, rounds: int) -> dict:
     return out
 
 
+def machine_info() -> dict:
+    """The backend, device, JAX version and the machine's load now (printed, and returned)."""
+    info = {
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "jax": jax.__version__,
+        "load": os.getloadavg(),
+    }
+    print(info, flush=True)
+    return info
+
+
 def temp_mib(f, *args) -> float:
     return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20
 
@@ -302,13 +314,7 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    info = {
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "jax": jax.__version__,
-        "load": os.getloadavg(),
-    }
-    print(info, flush=True)
+    info = machine_info()
     res = {"info": info}
     if a.seed_check:
         res["seed"] = seed_check(a, out)

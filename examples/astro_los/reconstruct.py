@@ -304,6 +304,18 @@ def describe_sharding(A: chunkop.RowOperator, mesh: jax.sharding.Mesh | None) ->
 # -- the reconstruction from a catalog -----------------------------------------------------------
 
 
+def _catalog_summary(cat: Catalog, response: str) -> dict:
+    """The run summary's start (the catalog's size, grid, bins and ``response``), logged."""
+    log(
+        f"catalog {cat.name!r} ({response} response): {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, "
+        f"{cat.n_bins} radial bins {cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc "
+        f"({cat.n_los / cat.n_pix:.2f} lines per pixel)"
+    )
+    catalog = {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}
+    catalog["edges_pc"] = [float(cat.edges[0]), float(cat.edges[-1])]
+    return {"catalog": catalog, "response": response}
+
+
 def reconstruct_catalog(
     cat: Catalog,
     out: str | None = None,
@@ -342,14 +354,7 @@ def reconstruct_catalog(
             )
         return reconstruct_standard(cat, out, samples=samples, chunk=chunk, figures=figures, mesh=mesh)
     t0 = time.perf_counter()
-    summ: dict = {"catalog": {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}}
-    summ["catalog"]["edges_pc"] = [float(cat.edges[0]), float(cat.edges[-1])]
-    summ["response"] = "seed"
-    log(
-        f"catalog {cat.name!r} (seed response): {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, "
-        f"{cat.n_bins} radial bins "
-        f"{cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc ({cat.n_los / cat.n_pix:.2f} lines per pixel)"
-    )
+    summ = _catalog_summary(cat, "seed")
     V, sv = learn.radial_basis(cat)
     G, trunc = learn.compress_lines(cat, V, chunk)
     summ["radial_basis"] = {"singular_values_rel": [float(v) for v in sv[:5]], "max_truncation_error": trunc}
@@ -436,14 +441,7 @@ def reconstruct_standard(
     outputs as :func:`reconstruct_catalog`'s, with ``column_std`` from posterior samples (bin
     correlations included) and warnings where the data do not constrain what is reported."""
     t0 = time.perf_counter()
-    summ: dict = {"catalog": {"name": cat.name, "n_los": cat.n_los, "nx": cat.nx, "ny": cat.ny, "n_bins": cat.n_bins}}
-    summ["catalog"]["edges_pc"] = [float(cat.edges[0]), float(cat.edges[-1])]
-    summ["response"] = "standard"
-    log(
-        f"catalog {cat.name!r} (standard response): {cat.n_los} lines on a {cat.nx} x {cat.ny} grid, "
-        f"{cat.n_bins} radial bins {cat.edges[0]:.0f}-{cat.edges[-1]:.0f} pc "
-        f"({cat.n_los / cat.n_pix:.2f} lines per pixel)"
-    )
+    summ = _catalog_summary(cat, "standard")
     r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, log=log)
     summ["radial_basis"] = r["basis"]
     summ["hyperparameters"] = r["hyper"]
