@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BLOCKS, PER_BLOCK = 7, 50
 
 WORKER = r"""
-import json, sys, time, os
+import inspect, json, sys, time, os
 import jax, jax.numpy as jnp, numpy as np
 import chunkop
 
@@ -48,7 +48,9 @@ jv = jax.vmap(f)
 rows = {"idx": jnp.asarray(rng.integers(0, 500, 4096), jnp.int32),
         "s": jnp.asarray(rng.uniform(size=4096), jnp.float32)}
 row_fn = lambda r, x: r["s"] * x[r["idx"]].sum()
-A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((500, 4), jnp.float32), chunk_size=512)
+layout = os.environ.get("CALL_PATH_LAYOUT")  # (a checkout without the option: its one layout)
+kw = {"layout": layout} if layout and "layout" in inspect.signature(chunkop.RowOperator).parameters else {}
+A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct((500, 4), jnp.float32), chunk_size=512, **kw)
 x = jnp.asarray(rng.normal(size=(500, 4)), jnp.float32)
 y = jnp.asarray(rng.normal(size=(4096,)), jnp.float32)
 M = jnp.asarray(np.asarray(jax.jacfwd(A.mv)(x)).reshape(4096, -1))
@@ -107,8 +109,13 @@ def start(src: Path) -> subprocess.Popen:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default=None, help="a git revision to compare with (checked out as a worktree)")
+    parser.add_argument(
+        "--layout", default=None, help="the RowOperator's layout= where the checkout has it (plain: the path alone)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
+    if args.layout:
+        os.environ["CALL_PATH_LAYOUT"] = args.layout  # (the workers inherit it)
     sources = {"this": ROOT / "src"}
     if args.against:
         tree = Path("/tmp") / f"chunkop-call-path-{args.against}"

@@ -113,6 +113,12 @@ class Spec:
         return isinstance(other, Spec) and self.key is not None and self.key == other.key
 
     def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        """The hash, computed once: a static argument of every kernel call, hashed by ``jax.jit``
+        on each (the key is a deep tuple: 2 us a hash)."""
         return hash(self.key) if self.key is not None else id(self)
 
     def in_structure(self) -> Any:
