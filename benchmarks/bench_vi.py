@@ -5,6 +5,7 @@ Usage::
     python benchmarks/bench_vi.py            # 3 alternating runs per method (a few minutes, 2-core CPU)
     python benchmarks/bench_vi.py --quick    # one small run per method
     python benchmarks/bench_vi.py --out DIR  # also write vi.json under DIR
+    python benchmarks/bench_vi.py --layout plain  # the chunkop response in RowOperator's plain layout
 
 This is how astrophysics reconstruction pipelines (NIFTy.re's ``optimize_kl``, MGVI) use a
 response operator: the response sits inside a forward model, samples are ``jax.vmap``-ed, the
@@ -91,7 +92,8 @@ def run(method: str, size: str, seed: int = 0) -> dict:
     d = rng.uniform(60.0, 1600.0, n_los)
     s = rng.uniform(0.05, 0.3, n_los)
     if method == "chunkop":
-        A = los.make_los_operator(idx, d, s, n_pix=n_pix, edges=edges, chunk_size=cfg["chunk"])
+        layout = os.environ.get("BENCH_VI_LAYOUT", "auto")  # (--layout: the chunkop response's layout)
+        A = los.make_los_operator(idx, d, s, n_pix=n_pix, edges=edges, chunk_size=cfg["chunk"], layout=layout)
         response = A.mv
     elif method == "jax.vmap":
         idx_j, d_j, s_j = jnp.asarray(idx, jnp.int32), jnp.asarray(d, jnp.float32), jnp.asarray(s, jnp.float32)
@@ -197,9 +199,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--layout", default=None, help="the chunkop response's RowOperator layout= (default auto)")
     parser.add_argument("--single", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default="full", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.layout:
+        os.environ["BENCH_VI_LAYOUT"] = args.layout  # (the runs' subprocesses inherit it)
     if args.single:
         print(json.dumps(run(args.single, args.size)))
         return

@@ -179,6 +179,7 @@ def make_los_operator(
     dtype: Any = jnp.float32,
     progress: Any = None,
     response: str = "seed",
+    layout: str = "auto",
 ) -> chunkop.RowOperator:
     """The LOS operator ``sky (n_pix, n_bins) -> y (n_los,)`` as a :class:`chunkop.RowOperator`.
 
@@ -192,6 +193,7 @@ def make_los_operator(
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
         progress: ``progress=`` of :class:`chunkop.RowOperator` (True: a bar per kernel call).
+        layout: ``layout=`` of :class:`chunkop.RowOperator` (``"auto"``, ``"windowed"``, ``"plain"``).
 
     Operators with the same number of bins share compiled kernels (the edges are array leaves of
     the operator, so jitted functions taking them as arguments compile once).
@@ -210,6 +212,7 @@ def make_los_operator(
         jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype),
         chunk_size=chunk_size,
         progress=progress,
+        layout=layout,
     )
 
 
