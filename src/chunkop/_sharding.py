@@ -288,7 +288,8 @@ def on_devices(
         unmapped: a pytree every device reads whole.
         mesh_axes: the mesh axes the mapped axis is sharded over.
         out_axes: where each output's device axis is joined (an int, or a pytree prefix of the
-            outputs; None: an output that must not vary, device 0's copy), unless ``reduce``.
+            outputs; None: an output that must not vary, ``jax.vmap``'s ``out_axes=None``, which
+            needs ``spread=False`` when it depends on ``unmapped``), unless ``reduce``.
         reduce: sum every output over the devices instead (one all-reduce; replicated).
         per_device: arrays with a leading device axis already (``(devices, ...)``, e.g. running
             sums that start per device), resharded along it on an Explicit mesh.
@@ -333,17 +334,19 @@ def on_devices(
 
         unmapped = jax.tree_util.tree_map(broadcast, unmapped, floats)
         split = [split_devices(x, a, shards) for x, a in zip(mapped, axes)]
-        per = jax.vmap(local, in_axes=(list(axes), u_axes, 0), axis_size=shards, spmd_axis_name=spmd)(
-            split, unmapped, per_device
+        vmapped = jax.vmap(
+            local,
+            in_axes=(list(axes), u_axes, 0),
+            out_axes=0 if reduce else out_axes,
+            axis_size=shards,
+            spmd_axis_name=spmd,
         )
+        per = vmapped(split, unmapped, per_device)
         if reduce:
             return jax.tree_util.tree_map(lambda p: p.sum(0, dtype=p.dtype), per)
-        joins = jax.tree_util.tree_map(lambda _: out_axes, per) if not _is_tree(out_axes) else out_axes
+        joins = out_axes if _is_tree(out_axes) else jax.tree_util.tree_map(lambda _: out_axes, per)
         return jax.tree_util.tree_map(
-            lambda a, p: p[0] if a is None else join_devices(jnp.moveaxis(p, 0, a), a),
-            joins,
-            per,
-            is_leaf=lambda a: a is None,
+            lambda a, p: p if a is None else join_devices(p, a), joins, per, is_leaf=lambda a: a is None
         )
 
     with mesh_context(mesh_axes):
