@@ -490,6 +490,21 @@ def s_warnings(cat: Catalog) -> list:
     return []
 
 
+def _fit_warnings(hyper: dict, chi2: float, cat: Catalog, example: str) -> list:
+    """Both priors' warnings on the fit: hyperparameters at a bound, and a chi2 per line beyond
+    what the noise allows (``example``: what the prior cannot represent, after the general words)."""
+    w = [
+        f"hyperparameter {name} = {hyper['theta'][hyper['names'].index(name)]:.3g} sits at its bound"
+        for name in hyper["at_bound"]
+    ]
+    if chi2 > 1 + max(0.1, 5 * np.sqrt(2 / cat.n_los)):
+        w.append(
+            f"chi2 per line {chi2:.2f}: the data are not fitted to their noise (structure the prior cannot "
+            f"represent{example}, or misstated sigma)"
+        )
+    return w
+
+
 def warnings_standard(summ: dict, r: dict, cat: Catalog) -> list:
     """The 3-D prior's warnings, from the catalog's run alone: ``s`` in a suspicious unit
     (:func:`s_warnings`), pixels whose column the data barely constrain, distances no star
@@ -523,15 +538,7 @@ def warnings_standard(summ: dict, r: dict, cat: Catalog) -> list:
             "are nearer than the first constrained bin): where along the line the dust lies there is not measured, "
             "only its sum with the rest of the column; see posterior_std.npy"
         )
-    for name in r["hyper"]["at_bound"]:
-        value = r["hyper"]["theta"][r["hyper"]["names"].index(name)]
-        w.append(f"hyperparameter {name} = {value:.3g} sits at its bound")
-    chi2 = summ["chi2_per_line"]
-    if chi2 > 1 + max(0.1, 5 * np.sqrt(2 / cat.n_los)):
-        w.append(
-            f"chi2 per line {chi2:.2f}: the data are not fitted to their noise (structure the prior cannot "
-            "represent, or misstated sigma)"
-        )
+    w += _fit_warnings(r["hyper"], summ["chi2_per_line"], cat, "")
     if r["posterior"]["cg_error_sd"] > 0.05:
         w.append(f"CG stopped {r['posterior']['cg_error_sd']:.2g} posterior sd from the solution")
     return w
@@ -560,14 +567,7 @@ def warnings_for(summ: dict, hyper: dict, cat: Catalog) -> list:
             "the field below it is treated crudely, so the learned small scales and the posterior sd may be off; "
             "a finer grid (--evidence-pixels, memory ~ N^2, time ~ N^3) learns them better"
         )
-    for name in hyper["at_bound"]:
-        w.append(f"hyperparameter {name} = {hyper['theta'][hyper['names'].index(name)]:.3g} sits at its bound")
-    chi2 = summ["chi2_per_line"]
-    if chi2 > 1 + max(0.1, 5 * np.sqrt(2 / cat.n_los)):
-        w.append(
-            f"chi2 per line {chi2:.2f}: the data are not fitted to their noise (structure the prior cannot "
-            "represent, e.g. compact clouds below the learned correlation length, or misstated sigma)"
-        )
+    w += _fit_warnings(hyper, summ["chi2_per_line"], cat, ", e.g. compact clouds below the learned correlation length")
     if summ["posterior"]["cg_relative_residual"] > 1e-3:
         w.append(f"CG did not converge (relative residual {summ['posterior']['cg_relative_residual']:.1e})")
     return w
