@@ -128,6 +128,35 @@ def _cells(fn: types.FunctionType) -> list[Any]:
     return values
 
 
+def _jax_cell_key(value: Any, depth: int) -> Hashable | None:
+    """A cell of one of JAX's own closures, as part of its key: a callable, plain data, a
+    ``nondiff_argnums`` value (JAX's ``Static``) by value, tuples and lists of those, and JAX's
+    own value types by value (jax 0.12.1's custom_jvp rule holds its arguments, the static ones
+    among them, in such a flat tree); None for what is not part of the key (per-trace state:
+    stores, memo dicts, traces)."""
+    if _is_function_like(value):
+        return callable_key(value, depth)
+    if _jaxpr.is_static_leaf(value):
+        return ("static", value_key(value.val, depth))
+    if _is_simple(value):
+        return _simple_key(value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_jax_cell_key(v, depth + 1) for v in value))
+    if (
+        _jaxpr.defined_in_jax(type(value).__module__)
+        and not _jaxpr.is_per_trace_store(value)
+        and type(value).__eq__ is not object.__eq__
+    ):
+        # JAX's own value types (jax 0.12.1's flat trees of a rule's arguments, their Static
+        # nondiff values among them) define value equality: keyed by value, never dropped
+        try:
+            hash(value)
+        except TypeError:
+            raise Uncacheable(f"unhashable {type(value).__name__} in a JAX closure") from None
+        return ("jax-value", type(value), value)
+    return None
+
+
 def callable_key(fn: Any, depth: int = 0) -> Hashable:
     """A key for a Python callable found in a jaxpr (a custom rule, a callback, a policy).
 
@@ -155,13 +184,8 @@ def callable_key(fn: Any, depth: int = 0) -> Hashable:
         if _is_jax_internal(fn):
             # JAX's own closure: its code, plus what of its cells is a callable or plain data.
             # Per-trace state (stores, memo dicts, sentinels, traces) is not part of the key.
-            parts = []
-            for value in _cells(fn):
-                if _is_function_like(value):
-                    parts.append(callable_key(value, depth + 1))
-                elif _is_simple(value):
-                    parts.append(_simple_key(value))
-            return ("jax", fn.__code__, tuple(parts))
+            parts = [_jax_cell_key(value, depth + 1) for value in _cells(fn)]
+            return ("jax", fn.__code__, tuple(p for p in parts if p is not None))
         if not _is_module_level(fn):
             # A function made per call (a lambda, a closure) can only be keyed by identity: a
             # cached loop would keep it and what it closes over alive and compile per call anyway.
