@@ -347,3 +347,85 @@ def test_collective_inside_a_custom_vjp_is_seen(custom_vjp3):
     np.testing.assert_array_equal(
         chunkop.vmap(total, axis_name="i", chunk_size=4)(xs), jax.vmap(total, axis_name="i")(xs)
     )
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "vjp3"])
+def either_custom_vjp(request):
+    """``jax_custom_vjp3`` off, then on (``jax_remat3`` off), restored afterwards."""
+    old = (jax.config.jax_custom_vjp3, jax.config.jax_remat3)
+    jax.config.update("jax_custom_vjp3", request.param)
+    jax.config.update("jax_remat3", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_custom_vjp3", old[0])
+        jax.config.update("jax_remat3", old[1])
+
+
+def strict_symbolic_zeros():
+    """``(sin(x) * y, y)`` with ``symbolic_zeros=True`` rules that fail unless, as under
+    ``jax.vmap``, ``y`` (data, never differentiated) is unperturbed and the cotangent of the
+    second output (never read) is a ``SymbolicZero``."""
+
+    @jax.custom_vjp
+    def f(x, y):
+        return jnp.sin(x) * y, y
+
+    def fwd(x, y):
+        if y.perturbed:
+            raise AssertionError("y is perturbed: it does not depend on what is differentiated")
+        return f(x.value, y.value), (x.value, y.value)
+
+    def bwd(res, g):
+        x, y = res
+        g_out, g_y = g
+        if type(g_y) is not jax.custom_derivatives.SymbolicZero:
+            raise AssertionError(f"the unread output's cotangent is {type(g_y).__name__}, not a SymbolicZero")
+        if type(g_out) is jax.custom_derivatives.SymbolicZero:
+            return None, None
+        return jnp.cos(x) * y * g_out, None
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f
+
+
+def test_symbolic_zeros_reach_the_rules_as_under_jax_vmap(either_custom_vjp):
+    """JAX's ``CustomVJP3Test.test_symbolic_zero_custom_vjp_vmap_output``: under the flag the
+    chunk's rematerialisation (``_recomputed``) differentiated every input of the chunk, so the
+    rule saw ``y.perturbed`` and a zero array for the unread output's cotangent; it now
+    differentiates what is perturbed and passes symbolic zeros through. Also with a remainder,
+    ``chunkop.sum``, ``jit``, and grad of grad (jacrev of grad, which the flag's first fix broke),
+    each compared with ``jax.vmap``; and with the flag off (``jax.checkpoint``)."""
+
+    @jax.custom_vjp
+    def ident(x, y):
+        return x, y
+
+    def fwd(x, y):
+        assert x.perturbed and not y.perturbed
+        return ident(x.value, y.value), None
+
+    def bwd(_, g):
+        assert type(g[1]) is jax.custom_derivatives.SymbolicZero
+        return g
+
+    ident.defvjp(fwd, bwd, symbolic_zeros=True)
+    for size, chunk in [(3, 2), (4, 2)]:  # a remainder; chunks that divide the axis
+        got = jax.grad(lambda x, y: chunkop.vmap(ident, chunk_size=chunk)(x, y)[0].sum())(
+            jnp.ones(size), jnp.ones(size)
+        )
+        np.testing.assert_array_equal(got, np.ones(size))
+
+    g = strict_symbolic_zeros()
+
+    def f(p, x):
+        return jnp.tanh(g(x @ p["W"] + p["b"], x[:4])[0])
+
+    chunked = _loss(chunkop.vmap(f, in_axes=(None, 0), chunk_size=3))
+    reference = _loss(jax.vmap(f, in_axes=(None, 0)))
+    summed = lambda p, x: jnp.sum(chunkop.sum(lambda p, x: jnp.cos(f(p, x)), in_axes=(None, 0), chunk_size=4)(p, x))
+    want = jax.grad(reference)(P, X)
+    for got in (jax.grad(chunked)(P, X), jax.jit(jax.grad(chunked))(P, X), jax.grad(summed)(P, X)):
+        assert_tree_allclose(got, want, **TOL)
+    second = lambda F: jax.jacrev(jax.grad(lambda b: F({"W": P["W"], "b": b}, X)))(P["b"])
+    assert_tree_allclose(second(chunked), second(reference), **TOL2)

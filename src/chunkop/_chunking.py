@@ -217,7 +217,8 @@ def rematerialise(fn: Callable, remat: Remat, recompute_custom_vjp: bool = False
         def run(*flat: Any) -> list:
             return jax.core.eval_jaxpr(jaxpr, list(flat[:n_consts]), *flat[n_consts:])
 
-        out = _recomputed(run)(*closed.consts, *jax.tree_util.tree_leaves(args))
+        symbolic_zeros = _jaxpr.has_eqn(jaxpr, _jaxpr.is_symbolic_zeros_custom_vjp)
+        out = _recomputed(run, symbolic_zeros)(*closed.consts, *jax.tree_util.tree_leaves(args))
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
 
     return call
@@ -229,7 +230,7 @@ def _checkpoint_breaks_custom_vjp() -> bool:
     return _jaxpr.custom_vjp3() and not getattr(jax.config, "jax_remat3", False)
 
 
-def _recomputed(run: Callable[..., list]) -> Callable[..., list]:
+def _recomputed(run: Callable[..., list], symbolic_zeros: bool = False) -> Callable[..., list]:
     """``run`` (a function of flat arrays: the chunk's closed-over values, then its inputs)
     rematerialised without ``jax.checkpoint``: a ``jax.custom_vjp`` whose forward rule saves
     only its inputs and whose backward rule recomputes ``run`` under ``jax.vjp``.
@@ -245,20 +246,66 @@ def _recomputed(run: Callable[..., list]) -> Callable[..., list]:
     (a tangent only of values it does not read, e.g. a ``jax.jvp`` w.r.t. the mapped input of
     a traced constant's custom_vjp): pass ``remat=False`` there. A ``remat`` policy saves
     nothing more here. ``run`` closes over no tracer (a ``custom_vjp`` function may not).
+
+    With ``symbolic_zeros`` (the chunk calls a ``custom_vjp`` whose rules take symbolic zeros)
+    this one takes them too, and both its rules differentiate ``run`` w.r.t. the perturbed inputs
+    only (the others held fixed), the backward rule only the outputs whose cotangent is not a
+    symbolic zero: the rules inside then see the ``perturbed`` flags and ``SymbolicZero``
+    cotangents they see under ``jax.vmap`` (differentiating every input told them that every
+    input was perturbed, and gave them zero arrays for outputs nothing reads). Which inputs are
+    perturbed reaches the backward rule in the residuals' tree: each input is in the first or
+    the second of two tuples, ``None`` in the other. Without it every input is differentiated,
+    as the rules cannot tell: a ``custom_vjp`` inside that no perturbed input reaches would be
+    left for an enclosing transform, and jax 0.10.2 fails to ``vmap`` one under
+    ``jax_custom_vjp3`` when nothing it reads is batched (``jax.hessian``'s outer vmap; the
+    ``jax.vmap`` reference fails so too), which differentiating it here avoids.
     """
 
     @jax.custom_vjp
     def recomputed(*flat: Any) -> list:
         return run(*flat)
 
-    def forward(*flat: Any) -> tuple[list, tuple]:
-        return jax.vjp(run, *flat)[0], flat
+    def forward(*primals: Any) -> tuple[list, tuple]:
+        flat = [p.value for p in primals] if symbolic_zeros else list(primals)
+        perturbed = [p.perturbed for p in primals] if symbolic_zeros else [True] * len(flat)
+        varying = _pick(flat, perturbed)
+        out = jax.vjp(_restricted(run, flat, perturbed), *varying)[0] if varying else run(*flat)
+        residuals = (
+            tuple(v if p else None for v, p in zip(flat, perturbed)),
+            tuple(None if p else v for v, p in zip(flat, perturbed)),
+        )
+        return out, residuals
 
-    def backward(flat: tuple, cotangents: list) -> tuple:
-        return jax.vjp(run, *flat)[1](cotangents)
+    def backward(residuals: tuple, cotangents: list) -> tuple:
+        varying, fixed = residuals
+        perturbed = [v is not None for v in varying]
+        flat = [v if p else c for v, c, p in zip(varying, fixed, perturbed)]
+        nonzero = [not _jaxpr.is_symbolic_zero(c) for c in cotangents]
+        if not (any(perturbed) and any(nonzero)):
+            return (None,) * len(flat)
+        some = lambda *xs: _pick(_restricted(run, flat, perturbed)(*xs), nonzero)
+        pullback = jax.vjp(some, *_pick(flat, perturbed))[1]
+        cts = iter(pullback(_pick(list(cotangents), nonzero)))
+        return tuple(next(cts) if p else None for p in perturbed)
 
-    recomputed.defvjp(forward, backward)
+    recomputed.defvjp(forward, backward, symbolic_zeros=symbolic_zeros)
     return recomputed
+
+
+def _pick(xs: Sequence[Any], which: Sequence[bool]) -> list:
+    """The items of ``xs`` where ``which`` is true."""
+    return [x for x, w in zip(xs, which) if w]
+
+
+def _restricted(run: Callable[..., list], flat: Sequence[Any], perturbed: Sequence[bool]) -> Callable[..., list]:
+    """``run`` as a function of the inputs marked ``perturbed`` only, the others fixed at their
+    value in ``flat``."""
+
+    def restricted(*varying: Any) -> list:
+        it = iter(varying)
+        return run(*[next(it) if p else v for v, p in zip(flat, perturbed)])
+
+    return restricted
 
 
 def _full_chunks(

@@ -65,6 +65,7 @@ __all__ = [
     "hi_prim",
     "is_custom_rule",
     "is_custom_vjp",
+    "is_symbolic_zeros_custom_vjp",
     "is_vmappable",
     "vmappables_registered",
     "jaxprs_in_params",
@@ -216,15 +217,29 @@ def is_custom_vjp(eqn: Any) -> bool:
     """Whether ``eqn`` calls a ``jax.custom_vjp`` function: a ``custom_vjp_call``, or (under
     ``jax_custom_vjp3``) a call of a ``CustomVJP...`` primitive object, possibly wrapped by
     ``jax.vmap`` (``VmapOf``, which keeps the wrapped one in ``params["prim"]``)."""
+    return _custom_vjp_params(eqn) is not None
+
+
+def is_symbolic_zeros_custom_vjp(eqn: Any) -> bool:
+    """Whether ``eqn`` calls a ``jax.custom_vjp`` function whose rules were defined with
+    ``defvjp(..., symbolic_zeros=True)`` (they see which inputs are perturbed and which output
+    cotangents are symbolic zeros)."""
+    params = _custom_vjp_params(eqn)
+    return bool(params is not None and params.get("symbolic_zeros", False))
+
+
+def _custom_vjp_params(eqn: Any) -> dict | None:
+    """The parameters of the ``jax.custom_vjp`` call ``eqn`` makes (see :func:`is_custom_vjp`):
+    the equation's own, or those of its ``CustomVJP...`` object; None if it makes none."""
     if eqn.primitive.name == "custom_vjp_call":
-        return True
+        return eqn.params
     for value in eqn.params.values():
         while value is not None:
-            if type(value).__name__.startswith("CustomVJP"):
-                return True
             inner = getattr(value, "params", None)
+            if type(value).__name__.startswith("CustomVJP"):
+                return inner if isinstance(inner, dict) else {}
             value = inner.get("prim") if isinstance(inner, dict) else None
-    return False
+    return None
 
 
 def dependent_eqns(jaxpr: Any, inputs: set) -> Iterator[tuple[Any, list[tuple[Any, set]]]]:
