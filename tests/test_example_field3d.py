@@ -137,7 +137,7 @@ def test_posterior_matches_dense_gaussian():
     mean_ref, std_ref, fsd_ref = _dense_posterior(cat, theta, (nx, ny), fns)
 
     V, _ = field3d.radial_basis(cat, "standard")
-    g, _ = field3d.compress_lines(cat, V, "standard")
+    g, _, _ = field3d.compress_lines(cat, V, "standard")
     with jax.enable_x64(True):
         rad = field3d.Radial.of(edges, V)
         data = field3d.data_on(cat, g, field3d.grid_for(nx, ny, 10**6))
@@ -182,3 +182,48 @@ def test_tiny_standard_reconstruction_from_the_cli(tiny_standard):
     # the column's sd is the samples' sd of the column: not the sum of the bins' sd (correlations count)
     db = np.diff(cat.edges)
     assert np.all(col_std < 1.001 * (std @ db))
+
+
+def test_bounded_compression_keeps_the_leading_vectors_exactly(monkeypatch):
+    # many lines: compress_lines computes MAX_BASIS radial vectors per line, not all n_bins; the
+    # leading columns, |w|^2, and truncate's choice and errors are those of the full compression
+    rng = np.random.default_rng(5)
+    b = los.bin_edges(40)
+    pix, d, s = los.draw_stars(3000, 12, rng)
+    y = np.asarray(np.sum(_standard_reference(d, s, b), 1)) * (1 + 0.05 * rng.standard_normal(3000))
+    sigma = np.full(3000, 0.05 * np.sqrt(np.mean(y**2)))
+    cat = catalog.validate_catalog(dict(pix=pix, d=d, s=s, y=y, sigma=sigma, nx=4, ny=3, edges=b))
+    V, _ = field3d.radial_basis(cat, "standard")
+    assert field3d.basis_kept(cat.n_los, cat.n_bins) == 40
+    g, w2, w1 = field3d.compress_lines(cat, V, "standard", chunk=512)
+    monkeypatch.setattr(field3d, "COMPRESS_BYTES", 3000 * 40 * 4 - 1)
+    monkeypatch.setattr(field3d, "MAX_BASIS", 12)
+    keep = field3d.basis_kept(cat.n_los, cat.n_bins)
+    assert keep == 12
+    g12, w2_12, w1_12 = field3d.compress_lines(cat, V[:, :keep], "standard", chunk=512)
+    np.testing.assert_allclose(g12, g[:, :keep], rtol=1e-5, atol=1e-6 * np.abs(g).max())
+    np.testing.assert_array_equal(w2_12, w2)
+    np.testing.assert_array_equal(w1_12, w1)
+    # w . 1 computed per line equals the full basis' g V^T 1 (what _level used)
+    np.testing.assert_allclose(w1, g.astype(np.float64) @ (V.T @ np.ones(40)), rtol=1e-4)
+    level = field3d._level(cat, g, V)
+    assert field3d._level_of(cat, w1) == pytest.approx(level, rel=1e-4)
+    J, trunc = field3d.truncate(cat, g, w2, level)
+    J12, trunc12 = field3d.truncate(cat, g12, w2, level, block=700)  # blocks of lines, one partial
+    assert J == J12 <= keep
+    assert trunc12["max_sigma"] == pytest.approx(trunc["max_sigma"], rel=1e-4)
+    assert trunc12["rms_sigma"] == pytest.approx(trunc["rms_sigma"], rel=1e-4)
+
+
+def test_n_los_sets_the_synthetic_lines_only(tmp_path, capsys):
+    P = los.make_problem("tiny", n_los=2048)
+    assert P.n_los == 2048 and (P.nx, P.ny, P.n_bins) == (12, 8, 24)
+    with pytest.raises(ValueError, match="n_los must be a positive number of lines"):
+        los.make_problem("tiny", n_los=0)
+    with pytest.raises(SystemExit):
+        reconstruct.main(["--data", str(tmp_path / "c.npz"), "--n-los", "10"])
+    assert "--n-los applies to the synthetic run" in capsys.readouterr().err
+    path = str(tmp_path / "cat.npz")
+    reconstruct.main(["--size", "tiny", "--n-los", "1500", "--write-catalog", path])
+    cat = catalog.load_catalog(path)
+    assert cat.n_los == 1500 and cat.name == "synthetic-tiny-1500"

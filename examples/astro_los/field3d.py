@@ -65,6 +65,8 @@ SHAPE_PRIOR_SD = 1.0  # hyperprior sd of the mean profile's shape b, c (flat in 
 TRUNCATION = 1.0  # the radial basis moves no line by more than this many noise sd (truncate)
 MAX_LATENT = 65536  # latent plane-of-sky pixels of the posterior, at most (coarser blocks beyond)
 MAX_LEARN = 16384  # ... and of the hyperparameters' fit
+MAX_BASIS = 32  # radial vectors computed per line when all of them would exceed COMPRESS_BYTES
+COMPRESS_BYTES = 1 << 30  # (n_lines x n_bins float32 at the seed's size: 0.27 GB; at 54M lines: 111 GB)
 LEARN = {
     "steps": 20,
     "max_gradients": 30,
@@ -107,32 +109,44 @@ def radial_basis(cat: Catalog, response: str, n_sample: int = 8192, seed: int = 
     return vt.T.copy(), sv / sv[0]
 
 
-def compress_lines(cat: Catalog, V: np.ndarray, response: str, chunk: int = 8192) -> tuple[np.ndarray, np.ndarray]:
-    """``g = W V`` for every line (``(n_lines, J)`` float32; ``chunkop.map`` over the lines, the
-    weights recomputed chunk by chunk, never stored) and ``|w|^2`` (float64, to measure truncations)."""
+def basis_kept(n_lines: int, n_bins: int) -> int:
+    """How many leading radial vectors :func:`compress_lines` computes per line: all ``n_bins`` while
+    ``n_lines x n_bins`` float32 fit in ``COMPRESS_BYTES``, else ``MAX_BASIS`` (:func:`truncate` keeps
+    fewer: 7 at the seed's size)."""
+    return n_bins if n_lines * n_bins * 4 <= COMPRESS_BYTES else min(n_bins, MAX_BASIS)
+
+
+def compress_lines(
+    cat: Catalog, V: np.ndarray, response: str, chunk: int = 8192
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``g = W V`` for every line (``(n_lines, J)`` float32 for ``V``'s ``J`` columns; ``chunkop.map`` over
+    the lines, the weights recomputed chunk by chunk, never stored), ``|w|^2`` (float64, to measure
+    truncations) and ``w . 1`` (float64: the line's prediction for a density of 1 everywhere)."""
     Vj = jnp.asarray(V, jnp.float32)
 
     def one(row):
         w = los.response_weights(row["d"], row["s"], cat.edges, response)
-        return w @ Vj, jnp.sum(w * w)
+        return w @ Vj, jnp.sum(w * w), jnp.sum(w)
 
     rows = {"d": jnp.asarray(cat.d), "s": jnp.asarray(cat.s)}
-    g, w2 = jax.jit(lambda r: chunkop.map(one, r, chunk_size=min(chunk, cat.n_los)))(rows)
-    return np.asarray(g), np.asarray(w2, np.float64)
+    g, w2, w1 = jax.jit(lambda r: chunkop.map(one, r, chunk_size=min(chunk, cat.n_los)))(rows)
+    return np.asarray(g), np.asarray(w2, np.float64), np.asarray(w1, np.float64)
 
 
-def truncate(cat: Catalog, g: np.ndarray, w2: np.ndarray, level: float) -> tuple[int, dict]:
+def truncate(cat: Catalog, g: np.ndarray, w2: np.ndarray, level: float, block: int = 1 << 20) -> tuple[int, dict]:
     """The fewest leading radial vectors ``J`` for which dropping the rest moves no line by more than
     ``TRUNCATION`` noise sd on a rough sky, one of independent fluctuations of the mean density
     ``level`` in every bin (``level |w - V_J g_J| / sigma``; a smooth sky moves far less). Returns
     ``J`` and the measured errors (that bound's largest and rms values)."""
-    g64 = g.astype(np.float64)
-    left = np.maximum(w2[:, None] - np.cumsum(g64**2, axis=1), 0.0)  # |w - V_J g_J|^2 for J = 1, 2, ...
-    err = level * np.sqrt(left) / cat.sigma.astype(np.float64)[:, None]
-    worst = err.max(0)
+    worst, sq = np.zeros(g.shape[1]), np.zeros(g.shape[1])
+    for lo in range(0, g.shape[0], block):  # blocks of lines: float64 copies of (block, J) at most
+        g64 = g[lo : lo + block].astype(np.float64)
+        left = np.maximum(w2[lo : lo + block, None] - np.cumsum(g64**2, axis=1), 0.0)  # |w - V_J g_J|^2, J = 1, 2, ...
+        err = level * np.sqrt(left) / cat.sigma[lo : lo + block].astype(np.float64)[:, None]
+        worst, sq = np.maximum(worst, err.max(0)), sq + np.sum(err**2, axis=0)
     ok = np.flatnonzero(worst <= TRUNCATION)
     J = int(ok[0]) + 1 if ok.size else g.shape[1]
-    return J, {"J": J, "max_sigma": float(worst[J - 1]), "rms_sigma": float(np.sqrt(np.mean(err[:, J - 1] ** 2)))}
+    return J, {"J": J, "max_sigma": float(worst[J - 1]), "rms_sigma": float(np.sqrt(sq[J - 1] / g.shape[0]))}
 
 
 # -- the latent grid and the data's sufficient statistics -----------------------------------------
@@ -185,7 +199,9 @@ def latent_operator(g: np.ndarray, cpix: np.ndarray, n_lat: int, chunk: int = 81
     whose ``row_fn`` reads ``u[row["pix"]]``."""
     rows = {"pix": jnp.asarray(cpix), "g": jnp.asarray(g, jnp.float32)}
     struct = jax.ShapeDtypeStruct((n_lat, g.shape[1]), jnp.float32)
-    return chunkop.RowOperator(lambda row, u: row["g"] @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)))
+    return chunkop.RowOperator(
+        lambda row, u: row["g"] @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)), layout=los.LAYOUT
+    )
 
 
 def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192) -> Data:
@@ -202,6 +218,7 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192) -> Data:
         rows,
         jax.ShapeDtypeStruct((grid.size, J, J), jnp.float32),
         chunk_size=min(chunk, len(g)),
+        layout=los.LAYOUT,
     )
     ivj = jnp.asarray(iv, jnp.float32)
     t = jax.jit(lambda A, v: A.T.mv(v))(A, ivj * jnp.asarray(cat.y, jnp.float32))
@@ -803,12 +820,16 @@ def reconstruct(
         ``wcolumn_std`` (``(n_pix,)``: the distance-integrated and ``1/r^2``-weighted columns, sd from
         the samples, bin correlations included), ``column_prior_sd`` (``(n_pix,)``), ``prior_sd`` and
         ``mu`` (``(n_bins,)``), ``hyper`` (the learned ``theta`` and the fit's record), ``basis``
-        (the radial basis' record) and ``posterior`` (CG effort).
+        (the radial basis' record), ``posterior`` (CG effort) and ``timings`` (seconds of the stages:
+        the lines' compression, the sufficient statistics, the hyperparameters, the posterior).
     """
     t0 = time.perf_counter()
     V, sv = radial_basis(cat, response)
-    g, w2 = compress_lines(cat, V, response, chunk)
-    level = _level(cat, g, V)
+    V = V[:, : basis_kept(cat.n_los, cat.n_bins)]
+    t1 = time.perf_counter()
+    g, w2, w1 = compress_lines(cat, V, response, chunk)
+    timing = {"compress_lines_s": time.perf_counter() - t1}
+    level = _level(cat, g, V) if V.shape[1] == cat.n_bins else _level_of(cat, w1)
     J, trunc = truncate(cat, g, w2, level)
     V, g = V[:, :J], np.ascontiguousarray(g[:, :J])
     log(
@@ -819,19 +840,27 @@ def reconstruct(
         rad = Radial.of(cat.edges, V)
         theta0, bounds = start_and_bounds(cat, g, rad)
         learn_grid = grid_for(cat.nx, cat.ny, MAX_LEARN)
+        t1 = time.perf_counter()
         data = data_on(cat, g, learn_grid, chunk)
+        timing["data_on_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         radial_names = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_r")
         theta = _pixel_evidence_fit(data, rad, theta0, bounds, radial_names, log=log)
         fit = {"pixelwise_theta": theta.tolist()}
         if learn_gradients > 0:
             fit.update(fit_hyperparameters(data, rad, theta, bounds, log=log, max_gradients=learn_gradients))
             theta = np.asarray(fit["theta"])
+        timing["hyperparameters_s"] = time.perf_counter() - t1
         post_grid = grid_for(cat.nx, cat.ny, MAX_LATENT)
         if post_grid != learn_grid:
+            t1 = time.perf_counter()
             data = data_on(cat, g, post_grid, chunk)
+            timing["data_on_s"] += time.perf_counter() - t1
         db = np.diff(cat.edges)
         dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
+        t1 = time.perf_counter()
         post = posterior(theta, data, rad, np.stack([db, dib]), pairs=max(1, -(-samples // 2)))
+        timing["posterior_s"] = time.perf_counter() - t1
     lat = post_grid.of_pixel(np.arange(cat.n_pix))
     lo, hi = np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds])
     at_bound = [n for n, t, a, b in zip(NAMES, theta, lo, hi) if min(t - a, b - t) < 1e-3 * (b - a)]
@@ -868,12 +897,17 @@ def reconstruct(
         "hyper": hyper,
         "basis": {"J": J, "singular_values_rel": [float(v) for v in sv[:8]], **trunc},
         "posterior": {"cg_iterations": post["cg_iterations"], "cg_error_sd": post["cg_error_sd"], "samples": samples},
+        "timings": timing,
     }
 
 
 def _level(cat: Catalog, g: np.ndarray, V: np.ndarray) -> float:
     """A rough mean density: the least-squares level of a flat sky, ``sum y m / sum m^2`` with ``m_l`` the
-    line's prediction for a density of 1 everywhere (``w_l . 1 = g_l . V^T 1``)."""
-    m = g.astype(np.float64) @ (V.T @ np.ones(V.shape[0]))
+    line's prediction for a density of 1 everywhere (``w_l . 1 = g_l . V^T 1``, ``V`` all the vectors)."""
+    return _level_of(cat, g.astype(np.float64) @ (V.T @ np.ones(V.shape[0])))
+
+
+def _level_of(cat: Catalog, m: np.ndarray) -> float:
+    """:func:`_level` given ``m`` (``w_l . 1`` per line)."""
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     return float(max(np.sum(cat.y * m * iv) / np.sum(m * m * iv), 1e-30))

@@ -80,6 +80,11 @@ __all__ = [
 
 # -- the operator -------------------------------------------------------------------------------
 
+#: the rows' layout of the example's operators when none is given (``reconstruct.py --layout``):
+#: ``"auto"`` measures; ``"plain"`` skips the windowed layout's build (a sort of the lines, once per
+#: operator), which a one-shot run over many lines may not repay
+LAYOUT = "auto"
+
 
 def bin_edges(n_bins: int = 516, bounds: tuple[float, float] = (R_MIN, R_MAX)) -> np.ndarray:
     """The radial bin edges ``geomspace(lo, hi, n_bins + 1)`` (float64)."""
@@ -179,7 +184,7 @@ def make_los_operator(
     dtype: Any = jnp.float32,
     progress: Any = None,
     response: str = "seed",
-    layout: str = "auto",
+    layout: str | None = None,
 ) -> chunkop.RowOperator:
     """The LOS operator ``sky (n_pix, n_bins) -> y (n_los,)`` as a :class:`chunkop.RowOperator`.
 
@@ -193,7 +198,8 @@ def make_los_operator(
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
         progress: ``progress=`` of :class:`chunkop.RowOperator` (True: a bar per kernel call).
-        layout: ``layout=`` of :class:`chunkop.RowOperator` (``"auto"``, ``"windowed"``, ``"plain"``).
+        layout: ``layout=`` of :class:`chunkop.RowOperator` (``"auto"``, ``"windowed"``, ``"plain"``;
+            None: :data:`LAYOUT`, which ``reconstruct.py --layout`` sets).
 
     Operators with the same number of bins share compiled kernels (the edges are array leaves of
     the operator, so jitted functions taking them as arguments compile once).
@@ -212,7 +218,7 @@ def make_los_operator(
         jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype),
         chunk_size=chunk_size,
         progress=progress,
-        layout=layout,
+        layout=LAYOUT if layout is None else layout,
     )
 
 
@@ -397,6 +403,7 @@ def make_problem(
     chunk: int | None = None,
     progress: Any = None,
     response: str = "standard",
+    n_los: int | None = None,
 ) -> Problem:
     """A deterministic synthetic LOS problem: true sky, lines of sight, noisy data.
 
@@ -404,11 +411,16 @@ def make_problem(
     through the standard response; ``"seed"``: the users' toy lines (:func:`draw_lines`) through
     their literal weights (the same data as before the standard response was added).
     ``noise`` is the noise standard deviation relative to the rms of the noise-free data.
+    ``n_los``: the number of lines (default: the size's); the sky is the size's either way.
     The prior mean is the sky's mean given only the radial profile: ``rho(r) * E[exp(g)]``.
     """
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     cfg = SIZES[size]
+    if n_los is not None:
+        if int(n_los) < 1:
+            raise ValueError(f"n_los must be a positive number of lines, got {n_los!r}")
+        cfg = dataclasses.replace(cfg, n_los=int(n_los), chunk=min(cfg.chunk, int(n_los)))
     rng = np.random.default_rng(seed)
     edges = bin_edges(cfg.n_bins)
     field = _make_field(cfg.nx, cfg.ny, edges, rng)

@@ -446,7 +446,10 @@ def reconstruct_standard(
     summ["radial_basis"] = r["basis"]
     summ["hyperparameters"] = r["hyper"]
     summ["posterior"] = r["posterior"]
+    summ["timings"] = dict(r["timings"])
+    t1 = time.perf_counter()
     resid = fit_check(cat, r["mean"], "standard", chunk, mesh)
+    summ["timings"]["fit_check_s"] = time.perf_counter() - t1
     summ["chi2_per_line"] = float(np.mean(resid**2))
     summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
     summ["column_rel_std_median"] = float(np.median(r["column_std"] / np.abs(r["column"])))
@@ -714,12 +717,12 @@ def load_truth(path: str) -> np.ndarray:
 
 
 def write_synthetic_catalog(
-    size: str, path: str, progress: bool = False, response: str = "standard"
+    size: str, path: str, progress: bool = False, response: str = "standard", n_los: int | None = None
 ) -> tuple[los.Problem, Catalog]:
-    """The built-in synthetic data of ``size`` seen through ``response`` (``los.make_problem``) as a
-    catalog file (with its ``response`` entry); its true sky beside it (``PATH`` with ``.truth.npz``)
-    when smaller than 64 MiB."""
-    P = los.make_problem(size, progress=progress or None, response=response)
+    """The built-in synthetic data of ``size`` seen through ``response`` (``los.make_problem``; ``n_los``
+    lines, default the size's) as a catalog file (with its ``response`` entry); its true sky beside it
+    (``PATH`` with ``.truth.npz``) when smaller than 64 MiB."""
+    P = los.make_problem(size, progress=progress or None, response=response, n_los=n_los)
     cat = write_catalog(
         path,
         pix=P.pix,
@@ -730,7 +733,9 @@ def write_synthetic_catalog(
         nx=P.nx,
         ny=P.ny,
         edges=P.edges,
-        name=f"synthetic-{size}" + ("" if response == "standard" else f"-{response}"),
+        name=f"synthetic-{size}"
+        + ("" if n_los is None else f"-{P.n_los}")
+        + ("" if response == "standard" else f"-{response}"),
         response=response,
     )
     if P.n_pix * P.n_bins * 4 <= 64 * MiB:
@@ -757,20 +762,22 @@ def run(
     samples: int | None = None,
     evidence_pixels: int | None = None,
     response: str = "standard",
+    n_los: int | None = None,
 ) -> dict:
     """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
     operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
     compares it with the truth. Returns the results dict (also ``out/results.json``).
 
     ``devices``: shard the operator's rows over the first ``devices`` of ``jax.devices()`` (see
-    :func:`device_mesh`); the job runs under ``jax.set_mesh`` of that mesh.
+    :func:`device_mesh`); the job runs under ``jax.set_mesh`` of that mesh. ``n_los``: the number of
+    lines (default: the size's; the sky is the size's either way).
     """
     mesh = device_mesh(devices) if devices is not None else None
     tmp = None if out else tempfile.TemporaryDirectory()
     try:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             res, P, cat_path, chunk, timings = _operator_demos(
-                size, out or tmp.name, chunk, fit_s, progress, mesh, response
+                size, out or tmp.name, chunk, fit_s, progress, mesh, response, n_los
             )
         # the reconstruction (outside the mesh: only its final fit check uses the sharded operator)
         return _reconstruct_synthetic(
@@ -781,11 +788,12 @@ def run(
             tmp.cleanup()
 
 
-def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"):
+def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard", n_los=None):
     """Write the synthetic catalog; measure the operator; the s-scale demo (inside the mesh)."""
     devices = int(mesh.size) if mesh is not None else 1
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend(), "devices": devices}
     res["response"] = response
+    res["layout"] = los.LAYOUT
     timings, memory = {}, {}
     log(f"chunkop LOS example, size={size!r}, response={response!r} (jax {jax.__version__}, {jax.default_backend()})")
     if mesh is not None:
@@ -794,7 +802,7 @@ def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"
         log("1 device (no mesh; --devices N shards the operator's rows over N devices)")
     cat_path = os.path.join(out, "catalog.npz")
     t = time.perf_counter()
-    P, _ = write_synthetic_catalog(size, cat_path, progress, response)
+    P, _ = write_synthetic_catalog(size, cat_path, progress, response, n_los)
     chunk = chunk or P.chunk
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
@@ -1055,6 +1063,13 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--size", default="default", choices=sorted(los.SIZES), help="synthetic size (default: default)")
     p.add_argument("--out", default="outputs/astro_los", help="output folder (default outputs/astro_los)")
+    p.add_argument(
+        "--n-los",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the synthetic run's number of lines (default: --size's; the sky's grid stays --size's)",
+    )
     p.add_argument("--chunk", type=int, default=None, help="lines per chunk (default: per size, 8192 with --data)")
     p.add_argument("--samples", type=int, default=None, help="posterior samples for the std (default 32; seed 8)")
     p.add_argument("--rtol", type=float, default=1e-5, help="CG relative tolerance (default 1e-5; seed response)")
@@ -1081,6 +1096,13 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--progress", action="store_true", help="a progress bar of chunks per operator call")
     p.add_argument(
+        "--layout",
+        default="auto",
+        choices=("auto", "windowed", "plain"),
+        help="the rows' layout of every operator over the lines (chunkop.RowOperator's layout=): 'auto' "
+        "(default) measures; 'plain' skips the windowed layout's build, a sort of the lines per operator",
+    )
+    p.add_argument(
         "--response",
         default=None,
         choices=los.RESPONSES,
@@ -1106,19 +1128,25 @@ def main(argv=None) -> dict:
         f"the reference (default {learn.REFERENCE_PRIOR_SD} with --profile, {learn.PROFILE_PRIOR_SD} without)",
     )
     a = p.parse_args(argv)
+    los.LAYOUT = a.layout
     if (a.profile is not None or a.profile_sd is not None) and a.data is None:
         p.error("--profile and --profile-sd need --data (the built-in synthetic run learns its profile)")
     if a.profile_sd is not None and not a.profile_sd > 0:
         p.error(f"--profile-sd must be positive, got {a.profile_sd}")
+    if a.n_los is not None and a.data is not None:
+        p.error("--n-los applies to the synthetic run (the catalog given with --data has its own lines)")
+    if a.n_los is not None and a.n_los < 1:
+        p.error(f"--n-los must be at least 1, got {a.n_los}")
     if a.evidence_pixels is not None and a.evidence_pixels < 1:
         p.error(f"--evidence-pixels must be at least 1, got {a.evidence_pixels}")
     if a.devices is not None:
         if a.devices < 1:
             p.error(f"--devices must be at least 1, got {a.devices}")
-        if a.data is None and los.SIZES[a.size].n_los % a.devices:
-            p.error(f"--devices {a.devices} does not divide the {los.SIZES[a.size].n_los} lines of --size {a.size}")
+        n_los = a.n_los or los.SIZES[a.size].n_los
+        if a.data is None and n_los % a.devices:
+            p.error(f"--devices {a.devices} does not divide the {n_los} lines of the synthetic run")
     if a.write_catalog:
-        _, cat = write_synthetic_catalog(a.size, a.write_catalog, a.progress, a.response or "standard")
+        _, cat = write_synthetic_catalog(a.size, a.write_catalog, a.progress, a.response or "standard", a.n_los)
         log(f"wrote {a.write_catalog} ({cat.n_los} lines, {cat.nx} x {cat.ny} x {cat.n_bins})")
         return {"catalog": a.write_catalog}
     if a.data is None:
@@ -1134,6 +1162,7 @@ def main(argv=None) -> dict:
             samples=a.samples,
             evidence_pixels=a.evidence_pixels,
             response=a.response or "standard",
+            n_los=a.n_los,
         )
     try:
         cat = load_catalog(a.data)
