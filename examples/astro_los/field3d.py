@@ -128,9 +128,17 @@ def compress_lines(
         w = los.response_weights(row["d"], row["s"], cat.edges, response)
         return w @ Vj, jnp.sum(w * w), jnp.sum(w)
 
-    rows = {"d": jnp.asarray(cat.d), "s": jnp.asarray(cat.s)}
-    g, w2, w1 = jax.jit(lambda r: chunkop.map(one, r, chunk_size=min(chunk, cat.n_los)))(rows)
-    return np.asarray(g), np.asarray(w2, np.float64), np.asarray(w1, np.float64)
+    run = jax.jit(lambda r: chunkop.map(one, r, chunk_size=min(chunk, len(r["d"]))))
+    # blocks of lines, each block's g copied out before the next: on a TPU an (n, J) float32 array
+    # takes n x 128 x 4 bytes (the minor axis padded to 128 lanes), 27.6 GB at 54M lines
+    block = max(chunk, COMPRESS_BYTES // (128 * 4) // chunk * chunk)
+    g = np.empty((cat.n_los, V.shape[1]), np.float32)
+    w2, w1 = np.empty(cat.n_los), np.empty(cat.n_los)
+    for lo in range(0, cat.n_los, block):
+        sl = slice(lo, min(lo + block, cat.n_los))
+        out = run({"d": jnp.asarray(cat.d[sl]), "s": jnp.asarray(cat.s[sl])})
+        g[sl], w2[sl], w1[sl] = (np.asarray(o) for o in out)
+    return g, w2, w1
 
 
 def truncate(cat: Catalog, g: np.ndarray, w2: np.ndarray, level: float, block: int = 1 << 20) -> tuple[int, dict]:
@@ -197,11 +205,21 @@ class Data(eqx.Module):
 def latent_operator(g: np.ndarray, cpix: np.ndarray, n_lat: int, chunk: int = 8192) -> chunkop.RowOperator:
     """The response on the latent grid, ``u (n_lat, J) -> y_l = g_l . u[cpix_l]``, a ``chunkop.RowOperator``
     whose ``row_fn`` reads ``u[row["pix"]]``."""
-    rows = {"pix": jnp.asarray(cpix), "g": jnp.asarray(g, jnp.float32)}
     struct = jax.ShapeDtypeStruct((n_lat, g.shape[1]), jnp.float32)
     return chunkop.RowOperator(
-        lambda row, u: row["g"] @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)), layout=los.LAYOUT
+        lambda row, u: _g(row) @ u[row["pix"]], _rows(g, cpix), struct, chunk_size=min(chunk, len(g)), layout=los.LAYOUT
     )
+
+
+def _rows(g: np.ndarray, cpix: np.ndarray) -> dict:
+    """The latent operators' rows: the latent pixel and ``g``'s columns as separate ``(n_lines,)``
+    arrays (an ``(n_lines, J)`` array would take ``n_lines x 128`` floats on a TPU)."""
+    return {"pix": jnp.asarray(cpix), "g": tuple(jnp.asarray(g[:, j], jnp.float32) for j in range(g.shape[1]))}
+
+
+def _g(row: dict) -> jax.Array:
+    """One line's ``g`` (``(J,)``) from its row (:func:`_rows`)."""
+    return jnp.stack(row["g"])
 
 
 def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192) -> Data:
@@ -212,10 +230,9 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192) -> Data:
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     A = latent_operator(g, cpix, grid.size, chunk)
     J = g.shape[1]
-    rows = {"pix": jnp.asarray(cpix), "g": jnp.asarray(g, jnp.float32)}
     B = chunkop.RowOperator(
-        lambda row, M: row["g"] @ M[row["pix"]] @ row["g"],
-        rows,
+        lambda row, M: _g(row) @ M[row["pix"]] @ _g(row),
+        _rows(g, cpix),
         jax.ShapeDtypeStruct((grid.size, J, J), jnp.float32),
         chunk_size=min(chunk, len(g)),
         layout=los.LAYOUT,
@@ -525,17 +542,21 @@ def mean_profile_fit(cat: Catalog, g: np.ndarray, rad: Radial) -> np.ndarray:
     """``(a, b, c)`` of the log-quadratic profile whose predictions ``w_l . mu`` fit the lines best
     (Gauss-Newton on ``sum_l ((y_l - w_l . mu) / sigma_l)^2``, from the flat profile at the
     least-squares level): the starting mean profile of the hyperparameters' fit."""
-    G = np.asarray(g, np.float64) @ np.asarray(rad.V).T  # w_l, as the basis keeps it (n_lines, n_bins)
+    g64, Vt = np.asarray(g, np.float64), np.asarray(rad.V).T  # w_l = V g_l, as the basis keeps it
+
+    def G(v: np.ndarray) -> np.ndarray:  # (w_l . v)_l without the (n_lines, n_bins) matrix
+        return g64 @ (Vt @ v)
+
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     y = cat.y.astype(np.float64)
     flat = np.asarray(profile(jnp.zeros(3), rad))
-    m0 = G @ flat
+    m0 = G(flat)
     p = np.array([np.log(max(np.sum(y * m0 * iv) / np.sum(m0 * m0 * iv), 1e-30)), 0.0, 0.0])
     basis = np.stack([np.ones_like(np.asarray(rad.t)), np.asarray(rad.t), np.asarray(rad.t) ** 2], 1)
     for _ in range(30):
         mu = np.asarray(profile(jnp.asarray(p), rad))
-        Jm = G @ (mu[:, None] * (basis - (np.asarray(rad.db) * mu) @ basis / (np.asarray(rad.db) @ mu) * [0, 1, 1]))
-        r = y - G @ mu
+        Jm = G(mu[:, None] * (basis - (np.asarray(rad.db) * mu) @ basis / (np.asarray(rad.db) @ mu) * [0, 1, 1]))
+        r = y - G(mu)
         step = np.linalg.lstsq(Jm * np.sqrt(iv)[:, None], r * np.sqrt(iv), rcond=None)[0]
         p = p + np.clip(step, -1.0, 1.0)
         if np.max(np.abs(step)) < 1e-6:
