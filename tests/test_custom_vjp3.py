@@ -12,6 +12,7 @@ with the flag off. The flag is restored after each test.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -28,18 +29,25 @@ TOL = {"n_terms": 4 * N}  # float32 sums over the examples and a dot of 5, order
 TOL2 = {"n_terms": 4 * N, "condition": 10.0}  # second derivatives
 
 
-@pytest.fixture
-def custom_vjp3():
-    """``jax_custom_vjp3`` on and ``jax_remat3`` off for the test (``custom_vjp`` functions must be
-    defined inside it: the flag is read when one is decorated); both restored afterwards."""
+@contextlib.contextmanager
+def _vjp3_flag(on: bool):
+    """``jax_custom_vjp3`` set to ``on`` and ``jax_remat3`` off, both restored afterwards."""
     old = (jax.config.jax_custom_vjp3, jax.config.jax_remat3)
-    jax.config.update("jax_custom_vjp3", True)
+    jax.config.update("jax_custom_vjp3", on)
     jax.config.update("jax_remat3", False)
     try:
         yield
     finally:
         jax.config.update("jax_custom_vjp3", old[0])
         jax.config.update("jax_remat3", old[1])
+
+
+@pytest.fixture
+def custom_vjp3():
+    """``jax_custom_vjp3`` on and ``jax_remat3`` off for the test (``custom_vjp`` functions must be
+    defined inside it: the flag is read when one is decorated); both restored afterwards."""
+    with _vjp3_flag(True):
+        yield
 
 
 def _rand(*shape, seed=0):
@@ -352,14 +360,8 @@ def test_collective_inside_a_custom_vjp_is_seen(custom_vjp3):
 @pytest.fixture(params=[False, True], ids=["plain", "vjp3"])
 def either_custom_vjp(request):
     """``jax_custom_vjp3`` off, then on (``jax_remat3`` off), restored afterwards."""
-    old = (jax.config.jax_custom_vjp3, jax.config.jax_remat3)
-    jax.config.update("jax_custom_vjp3", request.param)
-    jax.config.update("jax_remat3", False)
-    try:
+    with _vjp3_flag(request.param):
         yield
-    finally:
-        jax.config.update("jax_custom_vjp3", old[0])
-        jax.config.update("jax_remat3", old[1])
 
 
 def strict_symbolic_zeros():
