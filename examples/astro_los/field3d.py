@@ -543,9 +543,14 @@ def mean_profile_fit(cat: Catalog, g: np.ndarray, rad: Radial) -> np.ndarray:
     (Gauss-Newton on ``sum_l ((y_l - w_l . mu) / sigma_l)^2``, from the flat profile at the
     least-squares level): the starting mean profile of the hyperparameters' fit."""
     g64, Vt = np.asarray(g, np.float64), np.asarray(rad.V).T  # w_l = V g_l, as the basis keeps it
+    block = max(1, COMPRESS_BYTES // (8 * Vt.shape[1]))
 
-    def G(v: np.ndarray) -> np.ndarray:  # (w_l . v)_l without the (n_lines, n_bins) matrix
-        return g64 @ (Vt @ v)
+    def G(v: np.ndarray) -> np.ndarray:
+        """``(w_l . v)_l`` (``v``: ``(n_bins,)`` or ``(n_bins, k)``) with ``w_l`` made for a block of
+        lines at a time: never the whole ``(n_lines, n_bins)`` matrix (223 GB at 54M lines), and the
+        same products as that matrix's: the hyperparameters' fit follows its start at the rounding
+        level (examples/astro_los/README.md, "Things worth knowing")."""
+        return np.concatenate([(g64[lo : lo + block] @ Vt) @ v for lo in range(0, len(g64), block)])
 
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     y = cat.y.astype(np.float64)
