@@ -855,7 +855,7 @@ def reconstruct(
     t1 = time.perf_counter()
     g, w2, w1 = compress_lines(cat, V, response, chunk)
     timing = {"compress_lines_s": time.perf_counter() - t1}
-    level = _level(cat, g, V) if V.shape[1] == cat.n_bins else _level_of(cat, w1)
+    level = _level(cat, w1)
     J, trunc = truncate(cat, g, w2, level)
     V, g = V[:, :J], np.ascontiguousarray(g[:, :J])
     log(
@@ -927,13 +927,8 @@ def reconstruct(
     }
 
 
-def _level(cat: Catalog, g: np.ndarray, V: np.ndarray) -> float:
+def _level(cat: Catalog, m: np.ndarray) -> float:
     """A rough mean density: the least-squares level of a flat sky, ``sum y m / sum m^2`` with ``m_l`` the
-    line's prediction for a density of 1 everywhere (``w_l . 1 = g_l . V^T 1``, ``V`` all the vectors)."""
-    return _level_of(cat, g.astype(np.float64) @ (V.T @ np.ones(V.shape[0])))
-
-
-def _level_of(cat: Catalog, m: np.ndarray) -> float:
-    """:func:`_level` given ``m`` (``w_l . 1`` per line)."""
+    line's prediction for a density of 1 everywhere (``w_l . 1``, from :func:`compress_lines`)."""
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     return float(max(np.sum(cat.y * m * iv) / np.sum(m * m * iv), 1e-30))
