@@ -621,13 +621,16 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
     oracle = oracle_profile(x)
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))
-    # the sky's errors in pixel blocks (no sky-sized temporaries at the users' size)
-    sq, sqw = np.zeros(3), np.zeros(3)  # plain, and weighted by the bin lengths (|(rec - sky) sqrt(db)|)
+    # the sky's squared errors per bin, summed over pixels in blocks (no sky-sized temporaries at the
+    # users' size): the reconstruction's, the oracle's, and the truth's own squares
+    e2, o2, x2 = np.zeros(cat.n_bins), np.zeros(cat.n_bins), np.zeros(cat.n_bins)
     for i in range(0, x.shape[0], 65536):
         xb = x[i : i + 65536].astype(np.float64)
-        e2, o2, x2 = (rec["mean"][i : i + 65536] - xb) ** 2, (oracle - xb) ** 2, xb**2
-        sq += [np.sum(e2), np.sum(o2), np.sum(x2)]
-        sqw += [np.sum(e2 @ db), np.sum(o2 @ db), np.sum(x2 @ db)]
+        e2 += np.sum((rec["mean"][i : i + 65536] - xb) ** 2, 0)
+        o2 += np.sum((oracle - xb) ** 2, 0)
+        x2 += np.sum(xb**2, 0)
+    sq = [np.sum(e2), np.sum(o2), np.sum(x2)]
+    sqw = [e2 @ db, o2 @ db, x2 @ db]  # weighted by the bin lengths (|(rec - sky) sqrt(db)|)
     col_t, wcol_t = x @ db.astype(np.float32), x @ dib.astype(np.float32)
     m = {
         "rel_err_sky": float(np.sqrt(sq[0] / sq[2])),
@@ -644,12 +647,6 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     r = cat.centres
     cuts = [c for c in DISTANCE_RANGES if cat.edges[0] < c < cat.edges[-1]]
     bounds = [float(cat.edges[0]), *cuts, float(cat.edges[-1])]
-    e2, o2, x2 = np.zeros(cat.n_bins), np.zeros(cat.n_bins), np.zeros(cat.n_bins)
-    for i in range(0, x.shape[0], 65536):
-        xb = x[i : i + 65536].astype(np.float64)
-        e2 += np.sum((rec["mean"][i : i + 65536] - xb) ** 2, 0)
-        o2 += np.sum((oracle - xb) ** 2, 0)
-        x2 += np.sum(xb**2, 0)
     by_range = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         k = (r >= lo) & (r < hi)
