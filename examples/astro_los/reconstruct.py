@@ -416,12 +416,19 @@ def resolve_response(cat: Catalog, response: str | None) -> str:
 def fit_check(cat: Catalog, sky: np.ndarray, response: str, chunk: int, mesh: Any = None) -> np.ndarray:
     """The normalised residuals ``(y - A sky) / sigma`` with the full chunked operator of ``response``
     (rows sharded over ``mesh`` if given)."""
-    A = los.make_los_operator(
-        cat.pix, cat.d, cat.s, n_pix=cat.n_pix, edges=cat.edges, chunk_size=min(chunk, cat.n_los), response=response
-    )
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         sky, y = jnp.asarray(sky), jnp.asarray(cat.y)
-        if mesh is not None:
+        if mesh is None:
+            A = los.make_los_operator(
+                cat.pix,
+                cat.d,
+                cat.s,
+                n_pix=cat.n_pix,
+                edges=cat.edges,
+                chunk_size=min(chunk, cat.n_los),
+                response=response,
+            )
+        else:
             A = sharded_los_operator(cat, mesh, chunk, response)
             sky, y = jax.device_put((sky, y), NamedSharding(mesh, PSpec()))  # replicated on the mesh
         resid = np.asarray(jax.jit(lambda A, s_, y: y - A.mv(s_))(A, sky, y))
