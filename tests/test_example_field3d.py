@@ -216,6 +216,60 @@ def test_bounded_compression_keeps_the_leading_vectors_exactly(monkeypatch):
     assert trunc12["rms_sigma"] == pytest.approx(trunc["rms_sigma"], rel=1e-4)
 
 
+def test_mean_profile_from_sums_is_the_fit_from_every_line(monkeypatch):
+    # beyond EXACT_PROFILE_LINES the mean profile's Gauss-Newton steps come from the catalog's J x J
+    # sums, not from every line's prediction: the same fit (normal equations instead of lstsq) and
+    # the profile that generated the lines, where the basis keeps every vector
+    rng = np.random.default_rng(11)
+    b = los.bin_edges(30)
+    pix, d, s = los.draw_stars(4000, 6, rng)
+    rad_t = (2 * np.sqrt(b[:-1] * b[1:]) - b[0] - b[-1]) / (b[-1] - b[0])
+    truth = np.exp(-0.7 - 0.8 * rad_t + 0.4 * rad_t**2)
+    y0 = _standard_reference(d, s, b) @ truth
+    sigma = np.full(4000, 0.02 * np.sqrt(np.mean(y0**2)))
+    y = y0 + sigma * rng.standard_normal(4000)
+    cat = catalog.validate_catalog(dict(pix=pix, d=d, s=s, y=y, sigma=sigma, nx=3, ny=2, edges=b))
+    V, _ = field3d.radial_basis(cat, "standard")
+    g, _, _ = field3d.compress_lines(cat, V, "standard", chunk=512)
+    with jax.enable_x64(True):
+        rad = field3d.Radial.of(b, V)
+        exact = field3d.mean_profile_fit(cat, g, rad)
+        monkeypatch.setattr(field3d, "EXACT_PROFILE_LINES", 0)
+        summed = field3d.mean_profile_fit(cat, g, rad)
+        mu = np.asarray(field3d.profile(jnp.asarray(summed), rad))
+    np.testing.assert_allclose(summed, exact, rtol=1e-6, atol=1e-6)
+    db = np.diff(b)
+    assert np.sum(np.abs(mu - truth) * db) < 0.05 * np.sum(truth * db)  # the generating profile, to noise
+
+
+@pytest.mark.parametrize("J, pairs", [(7, 4), (12, 1)])
+def test_posterior_bytes_bounds_the_compiled_solves(J, pairs):
+    # the latent grid is chosen by posterior_bytes: a bound on XLA's compiled memory of the solves
+    # (arguments, temporaries, outputs), and not a loose one
+    grid = field3d.Grid(40, 30, 1)
+    b = los.bin_edges(30)
+    V = np.linalg.qr(np.random.default_rng(0).standard_normal((30, J)))[0]
+    with jax.enable_x64(True):
+        rad = field3d.Radial.of(b, V)
+        data = field3d.Data(
+            D=jnp.zeros((grid.size, J, J), jnp.float32),
+            t=jnp.zeros((grid.size, J), jnp.float32),
+            yy=jnp.asarray(0.0),
+            log_norm=jnp.asarray(0.0),
+            grid=grid,
+        )
+        noise = field3d.draw_noise(data, jax.random.key(0), pairs)
+        z0 = field3d.zeros(data, 1 + pairs)
+        m = field3d.solve_all.lower(jnp.zeros(8), data, rad, noise, z0, iters=10, tol=0.01).compile().memory_analysis()
+    used = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+    bound = field3d.posterior_bytes(grid.size, J, pairs)
+    assert used <= bound <= 1.6 * used
+    # the grid follows the budget: every pixel when it fits, blocks when not
+    assert field3d.posterior_grid(1024, 768, J, pairs).factor == 1  # the users' grid: 1.7 and 2.6 GB
+    grid = field3d.posterior_grid(1024, 768, 32, 4)  # 17.9 GB on every pixel
+    assert grid.factor == 3 and field3d.posterior_bytes(grid.size, 32, 4) <= field3d.POSTERIOR_BYTES
+
+
 def test_n_los_sets_the_synthetic_lines_only(tmp_path, capsys):
     P = los.make_problem("tiny", n_los=2048)
     assert P.n_los == 2048 and (P.nx, P.ny, P.n_bins) == (12, 8, 24)
