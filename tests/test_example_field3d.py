@@ -242,6 +242,35 @@ def test_mean_profile_from_sums_is_the_fit_from_every_line(monkeypatch):
     assert np.sum(np.abs(mu - truth) * db) < 0.05 * np.sum(truth * db)  # the generating profile, to noise
 
 
+def test_profile_vectors_hold_the_mean_profile_family_for_every_line():
+    # the mean profile is shared by every line: with_profile_vectors adds mu0 t^i to the basis, so a
+    # profile mu0 (c0 + c1 t + c2 t^2) is predicted as the weights themselves predict it (float64
+    # reference), where the truncated basis alone errs by many noise sd pooled over the lines
+    rng = np.random.default_rng(4)
+    b = los.bin_edges(40)
+    pix, d, s = los.draw_stars(3000, 12, rng)
+    rad_t = (2 * np.sqrt(b[:-1] * b[1:]) - b[0] - b[-1]) / (b[-1] - b[0])
+    W = _standard_reference(d, s, b)
+    y = W @ np.exp(-0.5 - 1.2 * rad_t + 0.5 * rad_t**2)
+    sigma = np.full(3000, 0.01 * np.sqrt(np.mean(y**2)))
+    cat = catalog.validate_catalog(dict(pix=pix, d=d, s=s, y=y, sigma=sigma, nx=4, ny=3, edges=b))
+    V, _ = field3d.radial_basis(cat, "standard")
+    J = 5  # a truncation's few leading vectors
+    V = V[:, :J]
+    g, _, _ = field3d.compress_lines(cat, V, "standard", chunk=512)
+    Va, ga = field3d.with_profile_vectors(cat, V, g, "standard", chunk=512)
+    assert Va.shape == (40, J + field3d.PROFILE_VECTORS) and ga.shape == (3000, J + field3d.PROFILE_VECTORS)
+    np.testing.assert_allclose(Va.T @ Va, np.eye(Va.shape[1]), atol=1e-10)
+    np.testing.assert_array_equal(Va[:, :J], V)
+    with jax.enable_x64(True):
+        rad = field3d.Radial.of(b, V)
+        mu0 = np.asarray(field3d.profile(jnp.asarray(field3d.mean_profile_fit(cat, g, rad)), rad))
+    v = mu0 * (1.0 + 0.3 * rad_t - 0.2 * rad_t**2)
+    pooled = lambda V_, g_: np.sqrt(np.sum(((W @ v - g_.astype(np.float64) @ (V_.T @ v)) / sigma) ** 2))
+    assert pooled(V, g) > 5.0  # the truncated basis alone: a bias of several noise sd
+    assert pooled(Va, ga) < 0.05 * pooled(V, g) and pooled(Va, ga) < 1.0
+
+
 @pytest.mark.parametrize("J, pairs", [(7, 4), (12, 1)])
 def test_posterior_bytes_bounds_the_compiled_solves(J, pairs):
     # the latent grid is chosen by posterior_bytes: a bound on XLA's compiled memory of the solves

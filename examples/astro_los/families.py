@@ -23,7 +23,10 @@ seed response, the earlier toy draws (distances log-uniform, ``s / d`` the same)
   clouds (1-2.5 pixels across, 0.1 in ``ln r``, 3-10x the local density);
 * ``sheet_edge``: a slowly falling density ``(1 + r / 100 pc)^-1/2`` and a dense sheet between 150
   and 250 pc covering the sky left of a sharp straight edge;
-* ``steep_disc_fine``: a steeper disc ``exp(-r / 150 pc)`` and a fine field (correlation ~2 pixels).
+* ``steep_disc_fine``: a steeper disc ``exp(-r / 150 pc)`` and a fine field (correlation ~2 pixels);
+* ``local_bubble``: a nearly empty bubble (3% of the density) out to a wall whose distance varies
+  over the sky (60-140 pc), a dense shell just beyond it, then ``exp(-r / 600 pc)``;
+* ``two_arms``: two dense layers along every line (at 300 and 1100 pc) over a thin floor.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import los
 from catalog import write_catalog
 
-FAMILIES = ("steep_profile", "compact_clouds", "sheet_edge", "steep_disc_fine")
+FAMILIES = ("steep_profile", "compact_clouds", "sheet_edge", "steep_disc_fine", "local_bubble", "two_arms")
 REFERENCES = ("oracle", "scale2x")
 GRIDS = {"tiny": (12, 8, 24, 6_000), "default": (64, 48, 96, 131_072)}
 
@@ -70,7 +73,21 @@ def base_profile(name: str, r: np.ndarray, scale: float = 1.0) -> np.ndarray:
         return (1.0 + r / (100.0 * scale)) ** -0.5
     if name == "steep_disc_fine":
         return np.exp(-r / (150.0 * scale))
+    if name == "local_bubble":  # the wall at its median distance, 90 pc
+        return _bubble(r[None, :], np.array([90.0 * scale]), 8.0 * scale)[0] * np.exp(-r / (600.0 * scale))
+    if name == "two_arms":
+        return (
+            0.1
+            + np.exp(-0.5 * ((r - 300.0 * scale) / (60.0 * scale)) ** 2)
+            + 0.7 * np.exp(-0.5 * ((r - 1100.0 * scale) / (150.0 * scale)) ** 2)
+        )
     raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
+
+
+def _bubble(r: np.ndarray, wall: np.ndarray, width: float) -> np.ndarray:
+    """``(n_pix, n_bins)``: 3% of the density inside ``wall`` (pc, per pixel), then a dense shell."""
+    inside = 0.03 + 0.97 / (1.0 + np.exp(-(r - wall[:, None]) / width))
+    return inside * (1.0 + 3.0 * np.exp(-0.5 * ((r - wall[:, None] - 15.0 * width / 8.0) / (1.5 * width)) ** 2))
 
 
 def reference_profile(kind: str, name: str, truth_sky: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -114,6 +131,13 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
         sky = base[None, :] * np.exp(g)[:, None] * (1.0 + 4.0 * covered * sheet)
     elif name == "steep_disc_fine":
         g = 0.6 * _powerlaw_field(rng, nx, ny, knee=0.08, slope=1.5)
+        sky = base_profile(name, r)[None, :] * np.exp(g)[:, None]
+    elif name == "local_bubble":
+        g = 0.3 * _powerlaw_field(rng, nx, ny, knee=0.04, slope=1.8)
+        wall = 90.0 * np.exp(0.25 * _powerlaw_field(rng, nx, ny, knee=0.05, slope=2.0))
+        sky = _bubble(r[None, :], wall, 8.0) * np.exp(-r / 600.0)[None, :] * np.exp(g)[:, None]
+    elif name == "two_arms":
+        g = 0.35 * _powerlaw_field(rng, nx, ny, knee=0.03, slope=1.6)
         sky = base_profile(name, r)[None, :] * np.exp(g)[:, None]
     else:
         raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
