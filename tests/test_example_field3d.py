@@ -269,6 +269,11 @@ def test_profile_vectors_hold_the_mean_profile_family_for_every_line():
     pooled = lambda V_, g_: np.sqrt(np.sum(((W @ v - g_.astype(np.float64) @ (V_.T @ v)) / sigma) ** 2))
     assert pooled(V, g) > 5.0  # the truncated basis alone: a bias of several noise sd
     assert pooled(Va, ga) < 0.05 * pooled(V, g) and pooled(Va, ga) < 1.0
+    # a basis that keeps every vector holds the family already: nothing is added
+    V_all, _ = field3d.radial_basis(cat, "standard")
+    g_all, _, _ = field3d.compress_lines(cat, V_all, "standard", chunk=512)
+    V2, g2 = field3d.with_profile_vectors(cat, V_all, g_all, "standard", chunk=512)
+    assert V2.shape == (40, 40) and g2.shape == (3000, 40)
 
 
 @pytest.mark.parametrize("J, pairs", [(7, 4), (12, 1)])

@@ -640,6 +640,8 @@ def with_profile_vectors(
         X = X - V @ (V.T @ X)
     Q, R = np.linalg.qr(X)
     Q = Q[:, np.abs(np.diag(R)) > 1e-8 * np.linalg.norm(mu0)]  # what V already holds, once
+    if Q.shape[1] == 0:  # (every vector kept: V holds the family already)
+        return V, g
     gq, _, _ = compress_lines(cat, Q, response, chunk)
     return np.concatenate([V, Q], 1), np.ascontiguousarray(np.concatenate([g, gq], 1))
 
