@@ -304,6 +304,29 @@ def test_posterior_bytes_bounds_the_compiled_solves(J, pairs):
     assert grid.factor == 3 and field3d.posterior_bytes(grid.size, 32, 4) <= field3d.POSTERIOR_BYTES
 
 
+def test_layout_reaches_every_operator_over_the_lines(tmp_path, monkeypatch):
+    # --layout is an argument passed down, not a module setting: every RowOperator the run builds
+    # (the generator's, the demos', the latent statistics', the fit check's) gets it
+    import chunkop
+
+    made = []
+    real = chunkop.RowOperator
+
+    def recording(*args, **kwargs):
+        made.append(kwargs.get("layout", "auto"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunkop, "RowOperator", recording)
+    res = reconstruct.main(
+        ["--size", "tiny", "--layout", "plain", "--no-figures", "--no-fit-s", "--samples", "2", "--out", str(tmp_path)]
+    )
+    assert res["layout"] == "plain"
+    assert len(made) >= 5 and set(made) == {"plain"}
+    made.clear()
+    reconstruct.main(["--size", "tiny", "--write-catalog", str(tmp_path / "c.npz")])  # the default: "auto"
+    assert made and set(made) == {"auto"}
+
+
 def test_n_los_sets_the_synthetic_lines_only(tmp_path, capsys):
     P = los.make_problem("tiny", n_los=2048)
     assert P.n_los == 2048 and (P.nx, P.ny, P.n_bins) == (12, 8, 24)

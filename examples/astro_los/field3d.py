@@ -225,13 +225,16 @@ class Data(eqx.Module):
     grid: Grid = eqx.field(static=True)
 
 
-def latent_operator(g: np.ndarray, cpix: np.ndarray, n_lat: int, chunk: int = 8192, rows: dict | None = None):
+def latent_operator(
+    g: np.ndarray, cpix: np.ndarray, n_lat: int, chunk: int = 8192, rows: dict | None = None, layout: str = "auto"
+) -> chunkop.RowOperator:
     """The response on the latent grid, ``u (n_lat, J) -> y_l = g_l . u[cpix_l]``, a ``chunkop.RowOperator``
-    whose ``row_fn`` reads ``u[row["pix"]]`` (``rows``: :func:`_rows` of ``g, cpix``, made if not given)."""
+    whose ``row_fn`` reads ``u[row["pix"]]`` (``rows``: :func:`_rows` of ``g, cpix``, made if not given;
+    ``layout``: the operator's ``layout=``)."""
     struct = jax.ShapeDtypeStruct((n_lat, g.shape[1]), jnp.float32)
     rows = _rows(g, cpix) if rows is None else rows
     return chunkop.RowOperator(
-        lambda row, u: _g(row) @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)), layout=los.LAYOUT
+        lambda row, u: _g(row) @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)), layout=layout
     )
 
 
@@ -246,21 +249,21 @@ def _g(row: dict) -> jax.Array:
     return jnp.stack(row["g"])
 
 
-def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192) -> Data:
+def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: str = "auto") -> Data:
     """:class:`Data` on ``grid``: ``t = A^T (y / sigma^2)`` and ``D = B^T (1 / sigma^2)`` with ``A`` the
     latent response (:func:`latent_operator`) and ``B`` its outer-product twin (``row_fn`` reads one
     latent pixel's ``J x J`` block), both chunked transposes."""
     cpix = grid.of_pixel(cat.pix)
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     rows = _rows(g, cpix)  # on the device once, for both operators
-    A = latent_operator(g, cpix, grid.size, chunk, rows)
+    A = latent_operator(g, cpix, grid.size, chunk, rows, layout)
     J = g.shape[1]
     B = chunkop.RowOperator(
         lambda row, M: _g(row) @ M[row["pix"]] @ _g(row),
         rows,
         jax.ShapeDtypeStruct((grid.size, J, J), jnp.float32),
         chunk_size=min(chunk, len(g)),
-        layout=los.LAYOUT,
+        layout=layout,
     )
     ivj = jnp.asarray(iv, jnp.float32)
     t = jax.jit(lambda A, v: A.T.mv(v))(A, ivj * jnp.asarray(cat.y, jnp.float32))
@@ -920,6 +923,7 @@ def reconstruct(
     samples: int = 32,
     chunk: int = 8192,
     learn_gradients: int = LEARN["max_gradients"],
+    layout: str = "auto",
     log: Callable = print,
 ) -> dict:
     """The 3-D prior's reconstruction of ``cat`` seen through ``response``, from the catalog alone.
@@ -936,6 +940,7 @@ def reconstruct(
         samples: posterior samples (mirrored pairs) for the sd.
         chunk: lines per chunk of the chunked passes over the lines.
         learn_gradients: the most stochastic gradients of the full evidence (0: the pixel-by-pixel fit only).
+        layout: ``layout=`` of the latent operators over the lines (``chunkop.RowOperator``).
         log: where progress lines go.
 
     Returns:
@@ -976,7 +981,7 @@ def reconstruct(
 
     def data_on_latent(grid: Grid) -> Data:
         with jax.default_device(lines_device):
-            return jax.device_put(data_on(cat, g, grid, chunk), latent)
+            return jax.device_put(data_on(cat, g, grid, chunk, layout), latent)
 
     with jax.enable_x64(True), jax.default_device(latent):
         rad = Radial.of(cat.edges, V)

@@ -80,11 +80,6 @@ __all__ = [
 
 # -- the operator -------------------------------------------------------------------------------
 
-#: the rows' layout of the example's operators when none is given (``reconstruct.py --layout``):
-#: ``"auto"`` measures; ``"plain"`` skips the windowed layout's build (a sort of the lines, once per
-#: operator), which a one-shot run over many lines may not repay
-LAYOUT = "auto"
-
 
 def bin_edges(n_bins: int = 516, bounds: tuple[float, float] = (R_MIN, R_MAX)) -> np.ndarray:
     """The radial bin edges ``geomspace(lo, hi, n_bins + 1)`` (float64)."""
@@ -184,7 +179,7 @@ def make_los_operator(
     dtype: Any = jnp.float32,
     progress: Any = None,
     response: str = "seed",
-    layout: str | None = None,
+    layout: str = "auto",
 ) -> chunkop.RowOperator:
     """The LOS operator ``sky (n_pix, n_bins) -> y (n_los,)`` as a :class:`chunkop.RowOperator`.
 
@@ -198,8 +193,9 @@ def make_los_operator(
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
         progress: ``progress=`` of :class:`chunkop.RowOperator` (True: a bar per kernel call).
-        layout: ``layout=`` of :class:`chunkop.RowOperator` (``"auto"``, ``"windowed"``, ``"plain"``;
-            None: :data:`LAYOUT`, which ``reconstruct.py --layout`` sets).
+        layout: ``layout=`` of :class:`chunkop.RowOperator`: ``"auto"`` measures; ``"plain"`` skips the
+            windowed layout's build (a sort of the lines, once per operator), which a one-shot run over
+            many lines may not repay (``reconstruct.py --layout``); ``"windowed"``.
 
     Operators with the same number of bins share compiled kernels (the edges are array leaves of
     the operator, so jitted functions taking them as arguments compile once).
@@ -218,7 +214,7 @@ def make_los_operator(
         jax.ShapeDtypeStruct((n_pix, edges.size - 1), dtype),
         chunk_size=chunk_size,
         progress=progress,
-        layout=LAYOUT if layout is None else layout,
+        layout=layout,
     )
 
 
@@ -297,7 +293,7 @@ class Problem:
     def centres(self) -> np.ndarray:
         return np.sqrt(self.edges[:-1] * self.edges[1:])
 
-    def operator(self, chunk_size: int | None = None) -> chunkop.RowOperator:
+    def operator(self, chunk_size: int | None = None, layout: str = "auto") -> chunkop.RowOperator:
         return make_los_operator(
             self.pix,
             self.d,
@@ -306,6 +302,7 @@ class Problem:
             edges=self.edges,
             chunk_size=chunk_size or self.chunk,
             response=self.response,
+            layout=layout,
         )
 
     def truth(self) -> jax.Array:
@@ -404,6 +401,7 @@ def make_problem(
     progress: Any = None,
     response: str = "standard",
     n_los: int | None = None,
+    layout: str = "auto",
 ) -> Problem:
     """A deterministic synthetic LOS problem: true sky, lines of sight, noisy data.
 
@@ -412,6 +410,7 @@ def make_problem(
     their literal weights (the same data as before the standard response was added).
     ``noise`` is the noise standard deviation relative to the rms of the noise-free data.
     ``n_los``: the number of lines (default: the size's); the sky is the size's either way.
+    ``layout``: the generating operator's ``layout=`` (:func:`make_los_operator`).
     The prior mean is the sky's mean given only the radial profile: ``rho(r) * E[exp(g)]``.
     """
     if size not in SIZES:
@@ -430,7 +429,15 @@ def make_problem(
     pix, d, s = draw(cfg.n_los, cfg.nx * cfg.ny, rng)
     chunk = chunk or cfg.chunk
     A = make_los_operator(
-        pix, d, s, n_pix=cfg.nx * cfg.ny, edges=edges, chunk_size=chunk, progress=progress, response=response
+        pix,
+        d,
+        s,
+        n_pix=cfg.nx * cfg.ny,
+        edges=edges,
+        chunk_size=chunk,
+        progress=progress,
+        response=response,
+        layout=layout,
     )
     y_clean = jax.jit(lambda op, f: op.mv(true_sky(f)))(A, field)
     sigma = float(noise * jnp.sqrt(jnp.mean(y_clean**2)))

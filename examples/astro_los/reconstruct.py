@@ -257,7 +257,7 @@ def device_mesh(n: int) -> jax.sharding.Mesh:
     return jax.make_mesh((n,), ("rows",), devices=devices[:n])
 
 
-def sharded_operator(P: los.Problem, mesh: jax.sharding.Mesh) -> chunkop.RowOperator:
+def sharded_operator(P: los.Problem, mesh: jax.sharding.Mesh, layout: str = "auto") -> chunkop.RowOperator:
     """``P``'s LOS operator built from rows (``pix``, ``d``, ``s``) sharded along their leading axis
     over the mesh axis ``"rows"``: each device holds and computes ``n_los / n`` lines.
 
@@ -273,7 +273,14 @@ def sharded_operator(P: los.Problem, mesh: jax.sharding.Mesh) -> chunkop.RowOper
         )
     rows = jax.device_put({"pix": P.pix, "d": P.d, "s": P.s}, NamedSharding(mesh, PSpec("rows")))
     return los.make_los_operator(
-        rows["pix"], rows["d"], rows["s"], n_pix=P.n_pix, edges=P.edges, chunk_size=P.chunk, response=P.response
+        rows["pix"],
+        rows["d"],
+        rows["s"],
+        n_pix=P.n_pix,
+        edges=P.edges,
+        chunk_size=P.chunk,
+        response=P.response,
+        layout=layout,
     )
 
 
@@ -330,6 +337,7 @@ def reconstruct_catalog(
     profile_sd: float | None = None,
     evidence_pixels: int | None = None,
     response: str | None = None,
+    layout: str = "auto",
 ) -> dict:
     """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given), and
     from a reference radial profile (``(n_bins,)`` densities: the prior's mean shape) if one is given.
@@ -345,6 +353,7 @@ def reconstruct_catalog(
     ``response``: the response the lines were measured through (:func:`resolve_response`; None: the
     catalog's, else ``"standard"``). ``"standard"`` is reconstructed with the 3-D prior
     (:func:`reconstruct_standard`, ``field3d.py``); ``"seed"`` with the radial-shape prior described above.
+    ``layout``: ``layout=`` of every operator over the lines (``chunkop.RowOperator``; ``--layout``).
     """
     response = resolve_response(cat, response)
     if response == "standard":
@@ -352,7 +361,7 @@ def reconstruct_catalog(
             raise ValueError(
                 "--profile / --profile-sd apply to --response seed only (the 3-D prior learns its profile)"
             )
-        return reconstruct_standard(cat, out, samples=samples, chunk=chunk, figures=figures, mesh=mesh)
+        return reconstruct_standard(cat, out, samples=samples, chunk=chunk, figures=figures, mesh=mesh, layout=layout)
     t0 = time.perf_counter()
     summ = _catalog_summary(cat, "seed")
     V, sv = learn.radial_basis(cat)
@@ -379,7 +388,7 @@ def reconstruct_catalog(
     summ["posterior"]["samples"] = samples
     sm = learn.sky_summaries(cat, post)
     # the fit, with the full chunked operator (checks the compression too)
-    resid = fit_check(cat, sm["mean"], "seed", chunk, mesh)
+    resid = fit_check(cat, sm["mean"], "seed", chunk, mesh, layout)
     chi2 = float(np.mean(resid**2))
     summ["chi2_per_line"] = chi2
     summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
@@ -413,9 +422,11 @@ def resolve_response(cat: Catalog, response: str | None) -> str:
     return response or cat.response or "standard"
 
 
-def fit_check(cat: Catalog, sky: np.ndarray, response: str, chunk: int, mesh: Any = None) -> np.ndarray:
+def fit_check(
+    cat: Catalog, sky: np.ndarray, response: str, chunk: int, mesh: Any = None, layout: str = "auto"
+) -> np.ndarray:
     """The normalised residuals ``(y - A sky) / sigma`` with the full chunked operator of ``response``
-    (rows sharded over ``mesh`` if given)."""
+    (rows sharded over ``mesh`` if given; ``layout``: its ``layout=``)."""
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         sky, y = jnp.asarray(sky), jnp.asarray(cat.y)
         if mesh is None:
@@ -427,9 +438,10 @@ def fit_check(cat: Catalog, sky: np.ndarray, response: str, chunk: int, mesh: An
                 edges=cat.edges,
                 chunk_size=min(chunk, cat.n_los),
                 response=response,
+                layout=layout,
             )
         else:
-            A = sharded_los_operator(cat, mesh, chunk, response)
+            A = sharded_los_operator(cat, mesh, chunk, response, layout)
             sky, y = jax.device_put((sky, y), NamedSharding(mesh, PSpec()))  # replicated on the mesh
         resid = np.asarray(jax.jit(lambda A, s_, y: y - A.mv(s_))(A, sky, y))
     return resid / cat.sigma
@@ -443,19 +455,20 @@ def reconstruct_standard(
     chunk: int = 8192,
     figures: bool = True,
     mesh: jax.sharding.Mesh | None = None,
+    layout: str = "auto",
 ) -> dict:
     """The standard response's reconstruction with the 3-D prior (``field3d.reconstruct``): the same
     outputs as :func:`reconstruct_catalog`'s, with ``column_std`` from posterior samples (bin
     correlations included) and warnings where the data do not constrain what is reported."""
     t0 = time.perf_counter()
     summ = _catalog_summary(cat, "standard")
-    r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, log=log)
+    r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, layout=layout, log=log)
     summ["radial_basis"] = r["basis"]
     summ["hyperparameters"] = r["hyper"]
     summ["posterior"] = r["posterior"]
     summ["timings"] = dict(r["timings"])
     t1 = time.perf_counter()
-    resid = fit_check(cat, r["mean"], "standard", chunk, mesh)
+    resid = fit_check(cat, r["mean"], "standard", chunk, mesh, layout)
     summ["timings"]["fit_check_s"] = time.perf_counter() - t1
     summ["chi2_per_line"] = float(np.mean(resid**2))
     summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
@@ -694,7 +707,7 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
 
 
 def sharded_los_operator(
-    cat: Catalog, mesh: jax.sharding.Mesh, chunk: int, response: str = "seed"
+    cat: Catalog, mesh: jax.sharding.Mesh, chunk: int, response: str = "seed", layout: str = "auto"
 ) -> chunkop.RowOperator:
     """The catalog's LOS operator with rows (``pix``, ``d``, ``s``) sharded over the mesh axis ``"rows"``."""
     n = int(mesh.shape["rows"])
@@ -712,6 +725,7 @@ def sharded_los_operator(
         edges=cat.edges,
         chunk_size=min(chunk, cat.n_los),
         response=response,
+        layout=layout,
     )
 
 
@@ -721,12 +735,17 @@ def load_truth(path: str) -> np.ndarray:
 
 
 def write_synthetic_catalog(
-    size: str, path: str, progress: bool = False, response: str = "standard", n_los: int | None = None
+    size: str,
+    path: str,
+    progress: bool = False,
+    response: str = "standard",
+    n_los: int | None = None,
+    layout: str = "auto",
 ) -> tuple[los.Problem, Catalog]:
     """The built-in synthetic data of ``size`` seen through ``response`` (``los.make_problem``; ``n_los``
-    lines, default the size's) as a catalog file (with its ``response`` entry); its true sky beside it
-    (``PATH`` with ``.truth.npz``) when smaller than 64 MiB."""
-    P = los.make_problem(size, progress=progress or None, response=response, n_los=n_los)
+    lines, default the size's; ``layout``: the generating operator's) as a catalog file (with its
+    ``response`` entry); its true sky beside it (``PATH`` with ``.truth.npz``) when smaller than 64 MiB."""
+    P = los.make_problem(size, progress=progress or None, response=response, n_los=n_los, layout=layout)
     cat = write_catalog(
         path,
         pix=P.pix,
@@ -767,6 +786,7 @@ def run(
     evidence_pixels: int | None = None,
     response: str = "standard",
     n_los: int | None = None,
+    layout: str = "auto",
 ) -> dict:
     """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
     operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
@@ -774,30 +794,31 @@ def run(
 
     ``devices``: shard the operator's rows over the first ``devices`` of ``jax.devices()`` (see
     :func:`device_mesh`); the job runs under ``jax.set_mesh`` of that mesh. ``n_los``: the number of
-    lines (default: the size's; the sky is the size's either way).
+    lines (default: the size's; the sky is the size's either way). ``layout``: ``layout=`` of every
+    operator over the lines (``--layout``).
     """
     mesh = device_mesh(devices) if devices is not None else None
     tmp = None if out else tempfile.TemporaryDirectory()
     try:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             res, P, cat_path, chunk, timings = _operator_demos(
-                size, out or tmp.name, chunk, fit_s, progress, mesh, response, n_los
+                size, out or tmp.name, chunk, fit_s, progress, mesh, response, n_los, layout
             )
         # the reconstruction (outside the mesh: only its final fit check uses the sharded operator)
         return _reconstruct_synthetic(
-            res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels
+            res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels, layout
         )
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
-def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard", n_los=None):
+def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard", n_los=None, layout="auto"):
     """Write the synthetic catalog; measure the operator; the s-scale demo (inside the mesh)."""
     devices = int(mesh.size) if mesh is not None else 1
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend(), "devices": devices}
     res["response"] = response
-    res["layout"] = los.LAYOUT
+    res["layout"] = layout
     timings, memory = {}, {}
     log(f"chunkop LOS example, size={size!r}, response={response!r} (jax {jax.__version__}, {jax.default_backend()})")
     if mesh is not None:
@@ -806,7 +827,7 @@ def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"
         log("1 device (no mesh; --devices N shards the operator's rows over N devices)")
     cat_path = os.path.join(out, "catalog.npz")
     t = time.perf_counter()
-    P, _ = write_synthetic_catalog(size, cat_path, progress, response, n_los)
+    P, _ = write_synthetic_catalog(size, cat_path, progress, response, n_los, layout)
     chunk = chunk or P.chunk
     timings["make_problem_s"] = time.perf_counter() - t
     sky_bytes = P.n_pix * P.n_bins * 4
@@ -817,7 +838,7 @@ def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"
     )
     res["problem"] = {"n_pix": P.n_pix, "nx": P.nx, "ny": P.ny, "n_bins": P.n_bins, "n_los": P.n_los, "chunk": chunk}
     res["problem"].update({"sigma": P.sigma, "sky_bytes": sky_bytes, "n_los_x_n_bins_bytes": P.n_los * P.n_bins * 4})
-    A = P.operator(chunk) if mesh is None else sharded_operator(P, mesh)
+    A = P.operator(chunk, layout) if mesh is None else sharded_operator(P, mesh, layout)
     res.update(describe_sharding(A, mesh))
     if mesh is not None:
         log(
@@ -876,7 +897,7 @@ def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"
 
 
 def _reconstruct_synthetic(
-    res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels
+    res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels, layout="auto"
 ) -> dict:
     """The reconstruction from the catalog file alone, then the comparison with the truth."""
     seed = P.size == "seed"
@@ -893,6 +914,7 @@ def _reconstruct_synthetic(
         mesh=mesh,
         evidence_pixels=evidence_pixels,
         response=P.response,
+        layout=layout,
     )
     timings["reconstruction_s"] = time.perf_counter() - t
     ev = evaluate(cat, rec, P.truth())
@@ -1132,7 +1154,6 @@ def main(argv=None) -> dict:
         f"the reference (default {learn.REFERENCE_PRIOR_SD} with --profile, {learn.PROFILE_PRIOR_SD} without)",
     )
     a = p.parse_args(argv)
-    los.LAYOUT = a.layout
     if (a.profile is not None or a.profile_sd is not None) and a.data is None:
         p.error("--profile and --profile-sd need --data (the built-in synthetic run learns its profile)")
     if a.profile_sd is not None and not a.profile_sd > 0:
@@ -1150,7 +1171,9 @@ def main(argv=None) -> dict:
         if a.data is None and n_los % a.devices:
             p.error(f"--devices {a.devices} does not divide the {n_los} lines of the synthetic run")
     if a.write_catalog:
-        _, cat = write_synthetic_catalog(a.size, a.write_catalog, a.progress, a.response or "standard", a.n_los)
+        _, cat = write_synthetic_catalog(
+            a.size, a.write_catalog, a.progress, a.response or "standard", a.n_los, a.layout
+        )
         log(f"wrote {a.write_catalog} ({cat.n_los} lines, {cat.nx} x {cat.ny} x {cat.n_bins})")
         return {"catalog": a.write_catalog}
     if a.data is None:
@@ -1167,6 +1190,7 @@ def main(argv=None) -> dict:
             evidence_pixels=a.evidence_pixels,
             response=a.response or "standard",
             n_los=a.n_los,
+            layout=a.layout,
         )
     try:
         cat = load_catalog(a.data)
@@ -1193,6 +1217,7 @@ def main(argv=None) -> dict:
         profile_sd=a.profile_sd,
         evidence_pixels=a.evidence_pixels,
         response=response,
+        layout=a.layout,
     )
     ev = None
     if a.truth:
