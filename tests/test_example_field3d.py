@@ -301,7 +301,7 @@ def test_posterior_bytes_bounds_the_compiled_solves(J, pairs):
     # the grid follows the budget: every pixel when it fits, blocks when not
     assert field3d.posterior_grid(1024, 768, J, pairs).factor == 1  # the users' grid: 1.7 and 2.6 GB
     grid = field3d.posterior_grid(1024, 768, 32, 4)  # 17.9 GB on every pixel
-    assert grid.factor == 3 and field3d.posterior_bytes(grid.size, 32, 4) <= field3d.POSTERIOR_BYTES
+    assert grid.factor == 2 and field3d.posterior_bytes(grid.size, 32, 4) <= field3d.POSTERIOR_BYTES
 
 
 def test_layout_reaches_every_operator_over_the_lines(tmp_path, monkeypatch):

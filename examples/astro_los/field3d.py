@@ -41,7 +41,7 @@ unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)``, added to every sample's 
 The latent plane-of-sky grid is the catalog's, coarsened (blocks of ``factor x factor`` pixels
 sharing one value) only where the posterior's solves would need more than ``POSTERIOR_BYTES``
 (:func:`posterior_bytes`) and the hyperparameters' fit more than ``MAX_LEARN`` pixels (the users'
-1024 x 768 grid: the posterior on every pixel up to J = 13 radial vectors with 8 samples, the
+1024 x 768 grid: the posterior on every pixel up to J = 17 radial vectors with 8 samples, the
 hyperparameters on 147 x 110). Blocks cannot follow the sky inside them: with a few lines per pixel
 their errors stop covering the truth (3M lines, 4 x 4 blocks: 41.5% of the columns within 2 sd;
 every pixel: 99.0%).
@@ -67,7 +67,7 @@ import chunkop
 NAMES = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_xy", "log_slope", "log_ell_r")
 SHAPE_PRIOR_SD = 1.0  # hyperprior sd of the mean profile's shape b, c (flat in density unless the data say otherwise)
 TRUNCATION = 1.0  # the radial basis moves no line by more than this many noise sd (truncate)
-POSTERIOR_BYTES = 4 << 30  # the posterior's solves, at most (coarser latent blocks beyond; posterior_bytes)
+POSTERIOR_BYTES = 6 << 30  # the posterior's solves, at most (coarser latent blocks beyond; posterior_bytes)
 MAX_LEARN = 16384  # ... and of the hyperparameters' fit
 MAX_BASIS = 32  # radial vectors computed per line when all of them would exceed COMPRESS_BYTES
 COMPRESS_BYTES = 1 << 30  # (n_lines x n_bins float32 at the seed's size: 0.27 GB; at 54M lines: 111 GB)
@@ -1003,7 +1003,7 @@ def reconstruct(
             timing["per_hyper_gradient_s"] = fit["seconds"] / fit["gradient_evaluations"]
         timing["hyperparameters_s"] = time.perf_counter() - t1
         pairs = max(1, -(-samples // 2))
-        post_grid = posterior_grid(cat.nx, cat.ny, J, pairs)
+        post_grid = posterior_grid(cat.nx, cat.ny, V.shape[1], pairs)  # (the profile's vectors included)
         if post_grid != learn_grid:
             t1 = time.perf_counter()
             data = data_on_latent(post_grid)
