@@ -327,6 +327,15 @@ def test_layout_reaches_every_operator_over_the_lines(tmp_path, monkeypatch):
     assert made and set(made) == {"auto"}
 
 
+def test_no_demos_skips_the_measurements_not_the_reconstruction(tmp_path):
+    args = ["--size", "tiny", "--no-figures", "--no-fit-s", "--samples", "2"]
+    full = reconstruct.main([*args, "--out", str(tmp_path / "full")])
+    lean = reconstruct.main([*args, "--no-demos", "--out", str(tmp_path / "lean")])
+    assert "matvec_s" in full["timings"] and full["memory"]
+    assert "matvec_s" not in lean["timings"] and lean["memory"] == {} and "check_linear" not in lean
+    assert lean["metrics"] == full["metrics"]  # the same catalog, the same reconstruction
+
+
 def test_n_los_sets_the_synthetic_lines_only(tmp_path, capsys):
     P = los.make_problem("tiny", n_los=2048)
     assert P.n_los == 2048 and (P.nx, P.ny, P.n_bins) == (12, 8, 24)

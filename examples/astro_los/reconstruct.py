@@ -787,6 +787,7 @@ def run(
     response: str = "standard",
     n_los: int | None = None,
     layout: str = "auto",
+    demos: bool = True,
 ) -> dict:
     """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
     operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
@@ -795,14 +796,15 @@ def run(
     ``devices``: shard the operator's rows over the first ``devices`` of ``jax.devices()`` (see
     :func:`device_mesh`); the job runs under ``jax.set_mesh`` of that mesh. ``n_los``: the number of
     lines (default: the size's; the sky is the size's either way). ``layout``: ``layout=`` of every
-    operator over the lines (``--layout``).
+    operator over the lines (``--layout``). ``demos=False`` (``--no-demos``): skip the operator's
+    measurements (its calls' seconds and compiled memory, ``check_linear``, the s-scale demo).
     """
     mesh = device_mesh(devices) if devices is not None else None
     tmp = None if out else tempfile.TemporaryDirectory()
     try:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             res, P, cat_path, chunk, timings = _operator_demos(
-                size, out or tmp.name, chunk, fit_s, progress, mesh, response, n_los, layout
+                size, out or tmp.name, chunk, fit_s, progress, mesh, response, n_los, layout, demos
             )
         # the reconstruction (outside the mesh: only its final fit check uses the sharded operator)
         return _reconstruct_synthetic(
@@ -813,7 +815,9 @@ def run(
             tmp.cleanup()
 
 
-def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard", n_los=None, layout="auto"):
+def _operator_demos(
+    size, out, chunk, fit_s, progress, mesh, response="standard", n_los=None, layout="auto", demos=True
+):
     """Write the synthetic catalog; measure the operator; the s-scale demo (inside the mesh)."""
     devices = int(mesh.size) if mesh is not None else 1
     res: dict = {"size": size, "jax": jax.__version__, "backend": jax.default_backend(), "devices": devices}
@@ -846,6 +850,9 @@ def _operator_demos(size, out, chunk, fit_s, progress, mesh, response="standard"
             + ", ".join(f"{k} {v['spec']} on {v['n_devices']} devices" for k, v in res["rows_sharding"].items())
         )
     seed = size == "seed"
+    if not demos:
+        res["memory"] = {}
+        return res, P, cat_path, chunk, timings
     if not seed:
         res["check_linear"] = chunkop.check_linear(A)
         log(f"chunkop.check_linear (relative errors): {res['check_linear']}")
@@ -923,7 +930,8 @@ def _reconstruct_synthetic(
     res["metrics"] = ev["metrics"]
     res["timings"] = timings
     res["peak_rss_bytes"] = peak_rss_bytes()
-    log("compiled temp memory of the operator's jitted functions (beyond their arguments and outputs):")
+    if res["memory"]:
+        log("compiled temp memory of the operator's jitted functions (beyond their arguments and outputs):")
     for k, m in res["memory"].items():
         log(f"  {k:16s} temp {fmt_bytes(m['temp_bytes']):>10s}  args {fmt_bytes(m['argument_bytes']):>10s}")
     log(f"peak RSS of the process: {fmt_bytes(res['peak_rss_bytes'])}")
@@ -1102,6 +1110,12 @@ def main(argv=None) -> dict:
     p.add_argument("--no-fit-s", action="store_true", help="skip the s-scale calibration demo")
     p.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     p.add_argument(
+        "--no-demos",
+        action="store_true",
+        help="synthetic run: skip the operator's measurements (seconds and compiled memory of its calls, "
+        "check_linear, the s-scale demo) and go from the catalog to the reconstruction",
+    )
+    p.add_argument(
         "--evidence-pixels",
         type=int,
         default=None,
@@ -1191,6 +1205,7 @@ def main(argv=None) -> dict:
             response=a.response or "standard",
             n_los=a.n_los,
             layout=a.layout,
+            demos=not a.no_demos,
         )
     try:
         cat = load_catalog(a.data)
