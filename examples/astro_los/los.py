@@ -193,9 +193,10 @@ def make_los_operator(
         n_bins, bounds: radial bins ``geomspace(*bounds, n_bins + 1)``; or give ``edges``.
         chunk_size: lines computed at once (memory ~ ``chunk_size * n_bins`` floats per array).
         progress: ``progress=`` of :class:`chunkop.RowOperator` (True: a bar per kernel call).
-        layout: ``layout=`` of :class:`chunkop.RowOperator`: ``"auto"`` measures; ``"plain"`` skips the
-            windowed layout's build (a sort of the lines, once per operator), which a one-shot run over
-            many lines may not repay (``reconstruct.py --layout``); ``"windowed"``.
+        layout: ``layout=`` of :class:`chunkop.RowOperator`: ``"auto"`` sorts the lines and keeps the
+            windowed layout where this platform's measurements say it wins; ``"plain"`` skips that
+            sort (once per operator), which a one-shot run over many lines may not repay
+            (``reconstruct.py --layout``); ``"windowed"`` forces the windows.
 
     Operators with the same number of bins share compiled kernels (the edges are array leaves of
     the operator, so jitted functions taking them as arguments compile once).
