@@ -1140,7 +1140,8 @@ def main(argv=None) -> dict:
         default="auto",
         choices=("auto", "windowed", "plain"),
         help="the rows' layout of every operator over the lines (chunkop.RowOperator's layout=): 'auto' "
-        "(default) measures; 'plain' skips the windowed layout's build, a sort of the lines per operator",
+        "(default) sorts the lines and keeps windows where this platform's measurements say they win; 'plain' "
+        "skips that sort (once per operator)",
     )
     p.add_argument(
         "--response",
