@@ -130,47 +130,73 @@ def basis_kept(n_lines: int, n_bins: int) -> int:
 
 
 def compress_lines(
-    cat: Catalog, V: np.ndarray, response: str, chunk: int = 8192
+    cat: Catalog, V: np.ndarray, response: str, chunk: int = 8192, seconds: dict | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``g = W V`` for every line (``(n_lines, J)`` float32 for ``V``'s ``J`` columns; ``chunkop.map`` over
-    the lines, the weights recomputed chunk by chunk, never stored), ``|w|^2`` (float64, to measure
-    truncations) and ``w . 1`` (float64: the line's prediction for a density of 1 everywhere)."""
+    """``g = W V`` for every line (``(n_lines, K)`` float32 for ``V``'s ``K`` orthonormal columns;
+    ``chunkop.map`` over the lines, the weights recomputed chunk by chunk, never stored), ``w . 1``
+    (``(n_lines,)`` float64: the line's prediction for a density of 1 everywhere), and the
+    truncation's measurements on the way (``(2, K)`` float64, for :func:`truncate`): with
+    ``e_lJ = |w_l - V_J g_lJ| / sigma_l`` the error of keeping ``V``'s first ``J`` columns, row 0 holds
+    ``max_l e_lJ`` and row 1 ``sum_l e_lJ^2`` for ``J = 1 .. K``.
+
+    ``|w - V_J g_J|^2`` is summed from what is dropped (``sum_{j > J} g_j^2``, plus ``|w - V g|^2``
+    beyond ``V``'s columns, computed from the residual itself), never as ``|w|^2 - |g_J|^2``, whose
+    float32 cancellation would exceed the small errors that decide the truncation; and it is reduced
+    over the lines on the device, so no pass over ``g`` is left for the host (the float64 NumPy
+    pass took 37 s at 13.24M lines on the TPU machine's host). ``seconds``, when given, gains the
+    time spent computing (``"device"``, compiles included) and copying the results into host
+    arrays (``"copy"``)."""
     Vj = jnp.asarray(V, jnp.float32)
+    complete = V.shape[1] >= V.shape[0]  # (every direction kept: nothing beyond V)
 
     def one(row):
-        w = los.response_weights(row["d"], row["s"], cat.edges, response)
-        return w @ Vj, jnp.sum(w * w), jnp.sum(w)
+        # the barrier keeps the weights out of the matmul's fusion: on a TPU v5e, XLA compiled that
+        # fusion for 32 s a call, 4.3 s with the barrier (benchmarks/RESULTS.md)
+        w = jax.lax.optimization_barrier(los.response_weights(row["d"], row["s"], cat.edges, response))
+        g = w @ Vj
+        beyond = 0.0 if complete else jnp.sum(jnp.square(w - Vj @ g))
+        dropped = jnp.cumsum(jnp.square(g)[::-1])[::-1]  # sum_{j >= J}, J = 0 .. K - 1
+        e = jnp.sqrt(jnp.append(dropped[1:], 0.0) + beyond) / row["sigma"]
+        return g, jnp.sum(w), e
 
     def run(r):
-        g, w2, w1 = chunkop.map(one, r, chunk_size=min(chunk, len(r["d"])))
-        return g.T, w2, w1  # (J, n): on a TPU an (n, J) array's minor axis is padded to 128 lanes
+        g, w1, e = chunkop.map(one, r, chunk_size=min(chunk, len(r["d"])))
+        # (K, n): on a TPU an (n, K) array's minor axis is padded to 128 lanes
+        return g.T, w1, jnp.stack([jnp.max(e, 0), jnp.sum(jnp.square(e), 0)])
 
     run = jax.jit(run)
-    # blocks of lines, each block's g copied out before the next (27.6 GB of padded (n, J) at 54M lines)
+    # blocks of lines, each block's g copied out before the next (27.6 GB of padded (n, K) at 54M lines)
     block = max(chunk, COMPRESS_BYTES // (128 * 4) // chunk * chunk)
     g = np.empty((cat.n_los, V.shape[1]), np.float32)
-    w2, w1 = np.empty(cat.n_los), np.empty(cat.n_los)
+    w1, stats = np.empty(cat.n_los), np.zeros((2, V.shape[1]))
+    spent = {"device": 0.0, "copy": 0.0}
     for lo in range(0, cat.n_los, block):
         sl = slice(lo, min(lo + block, cat.n_los))
-        gt, w2[sl], w1[sl] = (np.asarray(o) for o in run({"d": jnp.asarray(cat.d[sl]), "s": jnp.asarray(cat.s[sl])}))
+        t0 = time.perf_counter()
+        rows = {k: jnp.asarray(getattr(cat, k)[sl], jnp.float32) for k in ("d", "s", "sigma")}
+        out = jax.block_until_ready(run(rows))
+        t1 = time.perf_counter()
+        gt, w1[sl], st = (np.asarray(o) for o in out)
         g[sl] = gt.T
-    return g, w2, w1
+        stats = np.stack([np.maximum(stats[0], st[0]), stats[1] + st[1]])
+        spent["device"] += t1 - t0
+        spent["copy"] += time.perf_counter() - t1
+    if seconds is not None:
+        for k, v in spent.items():
+            seconds[k] = seconds.get(k, 0.0) + v
+    return g, w1, stats
 
 
-def truncate(cat: Catalog, g: np.ndarray, w2: np.ndarray, level: float, block: int = 1 << 20) -> tuple[int, dict]:
+def truncate(stats: np.ndarray, n_lines: int, level: float) -> tuple[int, dict]:
     """The fewest leading radial vectors ``J`` for which dropping the rest moves no line by more than
     ``TRUNCATION`` noise sd on a rough sky, one of independent fluctuations of the mean density
-    ``level`` in every bin (``level |w - V_J g_J| / sigma``; a smooth sky moves far less). Returns
-    ``J`` and the measured errors (that bound's largest and rms values)."""
-    worst, sq = np.zeros(g.shape[1]), np.zeros(g.shape[1])
-    for lo in range(0, g.shape[0], block):  # blocks of lines: float64 copies of (block, J) at most
-        g64 = g[lo : lo + block].astype(np.float64)
-        left = np.maximum(w2[lo : lo + block, None] - np.cumsum(g64**2, axis=1), 0.0)  # |w - V_J g_J|^2, J = 1, 2, ...
-        err = level * np.sqrt(left) / cat.sigma[lo : lo + block].astype(np.float64)[:, None]
-        worst, sq = np.maximum(worst, err.max(0)), sq + np.sum(err**2, axis=0)
+    ``level`` in every bin (``level |w - V_J g_J| / sigma``; a smooth sky moves far less), from
+    :func:`compress_lines`' measurements ``stats`` over ``n_lines`` lines. Returns ``J`` and the
+    measured errors (that bound's largest and rms values)."""
+    worst, sq = level * stats[0], level**2 * stats[1]
     ok = np.flatnonzero(worst <= TRUNCATION)
-    J = int(ok[0]) + 1 if ok.size else g.shape[1]
-    return J, {"J": J, "max_sigma": float(worst[J - 1]), "rms_sigma": float(np.sqrt(sq[J - 1] / g.shape[0]))}
+    J = int(ok[0]) + 1 if ok.size else stats.shape[1]
+    return J, {"J": J, "max_sigma": float(worst[J - 1]), "rms_sigma": float(np.sqrt(sq[J - 1] / n_lines))}
 
 
 # -- the latent grid and the data's sufficient statistics -----------------------------------------
@@ -628,7 +654,7 @@ def mean_profile_fit(cat: Catalog, g: np.ndarray, rad: Radial) -> np.ndarray:
 
 
 def with_profile_vectors(
-    cat: Catalog, V: np.ndarray, g: np.ndarray, response: str, chunk: int = 8192
+    cat: Catalog, V: np.ndarray, g: np.ndarray, response: str, chunk: int = 8192, seconds: dict | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """``V`` and ``g`` with ``PROFILE_VECTORS`` more radial vectors: ``mu0 t^i`` (``i < PROFILE_VECTORS``)
     made orthogonal to ``V`` and to each other, ``mu0`` the best-fitting mean profile on ``V``
@@ -638,7 +664,7 @@ def with_profile_vectors(
     line of the catalog: what the basis drops of it adds up over the lines into a bias. At the
     default size the true mean profile's dropped part moved the data by 28 noise sd in all (the norm of
     ``(w_l - V V^T w_l) . mu / sigma_l`` over the lines) with the 16 vectors the truncation keeps,
-    0.06 sd with these three added."""
+    0.06 sd with these three added. ``seconds``: as :func:`compress_lines`'."""
     if PROFILE_VECTORS == 0:
         return V, g
     with jax.enable_x64(True), jax.default_device(_host()):
@@ -652,7 +678,7 @@ def with_profile_vectors(
     Q = Q[:, np.abs(np.diag(R)) > 1e-8 * np.linalg.norm(mu0)]  # what V already holds, once
     if Q.shape[1] == 0:  # (every vector kept: V holds the family already)
         return V, g
-    gq, _, _ = compress_lines(cat, Q, response, chunk)
+    gq, _, _ = compress_lines(cat, Q, response, chunk, seconds)
     return np.concatenate([V, Q], 1), np.ascontiguousarray(np.concatenate([g, gq], 1))
 
 
@@ -885,12 +911,16 @@ def _pixel_evidence_fit(
 
     fj = jax.jit(f)
     fg = jax.jit(jax.value_and_grad(f))
+    count = {"steps": 0, "gradients": 0, "values": 0}
+    t0 = time.perf_counter()
 
     def grad(x: np.ndarray) -> np.ndarray:
+        count["gradients"] += 1
         return np.asarray(jax.block_until_ready(fg(jnp.asarray(x)))[1], np.float64)
 
     def fgh(x: np.ndarray) -> tuple:
         """The value, gradient and Hessian (central differences of the exact gradient, step 1e-4)."""
+        count["gradients"] += 1
         v, g = jax.block_until_ready(fg(jnp.asarray(x)))
         H = np.stack([(grad(x + e) - grad(x - e)) / 2e-4 for e in 1e-4 * np.eye(x.size)])
         return float(v), np.asarray(g, np.float64), 0.5 * (H + H.T)
@@ -902,6 +932,7 @@ def _pixel_evidence_fit(
         step *= min(1.0, 1.0 / np.max(np.abs(step)))
         for _ in range(30):
             new = np.clip(x + step, lo, hi)
+            count["values"] += 1
             v_new = float(fj(jnp.asarray(new)))
             if np.isfinite(v_new) and v_new >= v:
                 break
@@ -909,10 +940,16 @@ def _pixel_evidence_fit(
         else:
             break
         gain, x = v_new - v, new
+        count["steps"] += 1
         v, g, H = fgh(x)
         if gain < 1e-3:
             break
-    log(f"  pixel-by-pixel evidence {v:.1f}: " + ", ".join(f"{n}={t:.3g}" for n, t in zip(free, x)))
+    log(
+        f"  pixel-by-pixel evidence {v:.1f}: "
+        + ", ".join(f"{n}={t:.3g}" for n, t in zip(free, x))
+        + f" ({count['steps']} Newton steps, {count['gradients']} gradients, {count['values']} values; "
+        f"{time.perf_counter() - t0:.1f}s)"
+    )
     out = np.array(theta0, np.float64)
     out[idx] = x
     return out
@@ -965,16 +1002,17 @@ def reconstruct(
     V = V[:, : basis_kept(cat.n_los, cat.n_bins)]
     timing = {"radial_basis_s": time.perf_counter() - t0}
     t1 = time.perf_counter()
-    g, w2, w1 = compress_lines(cat, V, response, chunk)
+    passes: dict = {}
+    g, w1, stats = compress_lines(cat, V, response, chunk, passes)
     timing["compress_lines_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    level = _level(cat, w1)
-    J, trunc = truncate(cat, g, w2, level)
+    J, trunc = truncate(stats, cat.n_los, _level(cat, w1))
     V, g = V[:, :J], np.ascontiguousarray(g[:, :J])
     timing["truncate_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    V, g = with_profile_vectors(cat, V, g, response, chunk)
+    V, g = with_profile_vectors(cat, V, g, response, chunk, passes)
     timing["profile_vectors_s"] = time.perf_counter() - t1
+    timing.update({f"line_passes_{k}_s": v for k, v in passes.items()})
     log(
         f"radial basis: {J} of {cat.n_bins} vectors and {V.shape[1] - J} for the mean profile "
         f"(singular values {', '.join(f'{v:.2g}' for v in sv[:4])}, ...; "
