@@ -381,3 +381,17 @@ def test_n_los_sets_the_synthetic_lines_only(tmp_path, capsys):
     reconstruct.main(["--size", "tiny", "--n-los", "1500", "--write-catalog", path])
     cat = catalog.load_catalog(path)
     assert cat.n_los == 1500 and cat.name == "synthetic-tiny-1500"
+
+
+def test_nearest_psd_clips_negative_eigenvalues_only():
+    rng = np.random.default_rng(2)
+    G = rng.standard_normal((7, 5, 3))
+    with jax.enable_x64(True):
+        D = jnp.asarray(G @ np.swapaxes(G, 1, 2))  # rank 3: two zero eigenvalues each
+        np.testing.assert_allclose(field3d.nearest_psd(D, block=3), D, atol=1e-12)
+        E = D - 1e-3 * jnp.eye(5)  # indefinite, as float32 sums in another order can leave them
+        P = np.asarray(field3d.nearest_psd(E, block=4))
+    w, Q = np.linalg.eigh(np.asarray(E))
+    ref = (Q * np.maximum(w, 0)[:, None, :]) @ np.swapaxes(Q, 1, 2)
+    np.testing.assert_allclose(P, ref, atol=1e-12)
+    assert np.linalg.eigvalsh(P).min() > -1e-12 and np.linalg.eigvalsh(np.asarray(E)).min() < -9e-4

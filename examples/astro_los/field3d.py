@@ -174,7 +174,8 @@ def compress_lines(
         sl = slice(lo, min(lo + block, cat.n_los))
         t0 = time.perf_counter()
         rows = {k: jnp.asarray(getattr(cat, k)[sl], jnp.float32) for k in ("d", "s", "sigma")}
-        out = jax.block_until_ready(run(rows))
+        with jax.default_matmul_precision("float32"):  # (a TPU's default: one bfloat16 pass)
+            out = jax.block_until_ready(run(rows))
         t1 = time.perf_counter()
         gt, w1[sl], st = (np.asarray(o) for o in out)
         g[sl] = gt.T
@@ -299,11 +300,23 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: 
         layout=layout,
     )
     ivj = jnp.asarray(iv, jnp.float32)
-    t = jax.jit(lambda A, v: A.T.mv(v))(A, ivj * jnp.asarray(cat.y, jnp.float32))
-    D = jax.jit(lambda B, v: B.T.mv(v))(B, ivj)
+    with jax.default_matmul_precision("float32"):  # (a TPU's default: one bfloat16 pass, 3 significant digits)
+        t = jax.jit(lambda A, v: A.T.mv(v))(A, ivj * jnp.asarray(cat.y, jnp.float32))
+        D = jax.jit(lambda B, v: B.T.mv(v))(B, ivj)
     yy = float(np.sum(cat.y.astype(np.float64) ** 2 * iv))
     log_norm = float(np.sum(np.log(2 * np.pi / iv)))
     return Data(D=D, t=t, yy=jnp.asarray(yy), log_norm=jnp.asarray(log_norm), grid=grid)
+
+
+def nearest_psd(D: jax.Array, block: int = 1 << 16) -> jax.Array:
+    """The nearest (Frobenius) positive semi-definite matrices to the symmetric parts of ``D``
+    (``(n, J, J)``): negative eigenvalues set to zero, in ``D``'s dtype, ``block`` matrices at a time."""
+    f = jax.jit(
+        lambda M: (lambda w, Q: (Q * jnp.maximum(w, 0)[..., None, :]) @ jnp.swapaxes(Q, -1, -2))(
+            *jnp.linalg.eigh(0.5 * (M + jnp.swapaxes(M, -1, -2)))
+        )
+    )
+    return jnp.concatenate([f(D[lo : lo + block]) for lo in range(0, D.shape[0], block)])
 
 
 # -- the prior ------------------------------------------------------------------------------------
@@ -927,6 +940,13 @@ def _pixel_evidence_fit(
 
     x = np.clip(np.asarray(theta0, np.float64)[idx], lo, hi)
     v, g, H = fgh(x)
+    if not (np.isfinite(v) and np.all(np.isfinite(g)) and np.all(np.isfinite(H))):
+        D = np.asarray(data.D, np.float64)
+        low = np.linalg.eigvalsh(0.5 * (D + np.swapaxes(D, 1, 2))).min(1) / np.abs(D).max((1, 2)).clip(1e-300)
+        raise FloatingPointError(
+            f"the pixel-by-pixel evidence is not finite at its start ({dict(zip(free, x.round(3)))}: value {v}, "
+            f"gradient {g}); the data's D_p: smallest eigenvalue relative to the largest entry {low.min():.3g}"
+        )
     for _ in range(steps):
         step = -np.linalg.solve(_negative_definite(H), g)
         step *= min(1.0, 1.0 / np.max(np.abs(step)))
@@ -1025,7 +1045,11 @@ def reconstruct(
 
     def data_on_latent(grid: Grid) -> Data:
         with jax.default_device(lines_device):
-            return jax.device_put(data_on(cat, g, grid, chunk, layout), latent)
+            data = jax.device_put(data_on(cat, g, grid, chunk, layout), latent)
+        # an accelerator's float32 sums, rounded in another order than the host's, leave some D_p
+        # indefinite where the lines of a latent pixel are many (54M lines: ~3300 per pixel of the
+        # hyperparameters' grid): made semi-definite, as the sums are exactly (a CPU's are kept as they are)
+        return data if lines_device.platform == "cpu" else eqx.tree_at(lambda d: d.D, data, nearest_psd(data.D))
 
     with jax.enable_x64(True), jax.default_device(latent):
         rad = Radial.of(cat.edges, V)
