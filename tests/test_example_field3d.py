@@ -395,3 +395,26 @@ def test_nearest_psd_clips_negative_eigenvalues_only():
     ref = (Q * np.maximum(w, 0)[:, None, :]) @ np.swapaxes(Q, 1, 2)
     np.testing.assert_allclose(P, ref, atol=1e-12)
     assert np.linalg.eigvalsh(P).min() > -1e-12 and np.linalg.eigvalsh(np.asarray(E)).min() < -9e-4
+
+
+def test_bounded_newton_step():
+    rng = np.random.default_rng(4)
+    Q = np.linalg.qr(rng.standard_normal((4, 4)))[0]
+    g = rng.standard_normal(4)
+    # concave, small gradient: Newton's step exactly
+    H = -(Q * np.array([1.0, 3.0, 10.0, 100.0])) @ Q.T
+    small = 0.05 * g
+    np.testing.assert_allclose(field3d._bounded_newton_step(H, small), -np.linalg.solve(H, small), rtol=1e-10)
+    # a flat direction (curvature 1e-6 of the largest): the step keeps to the bound in its largest
+    # coordinate, and is the Levenberg-Marquardt step of one mu > 0 in every direction
+    H = -(Q * np.array([1e-4, 3.0, 10.0, 100.0])) @ Q.T
+    step = field3d._bounded_newton_step(H, g, bound=0.5)
+    assert np.max(np.abs(step)) == pytest.approx(0.5, rel=1e-9)
+    c, s = Q.T @ g, Q.T @ step
+    mu = c / s - np.array([1e-4, 3.0, 10.0, 100.0])
+    assert mu.min() > 0 and np.ptp(mu) < 1e-6 * mu.mean()
+    # not concave: still an ascent direction, along |curvature|
+    H = (Q * np.array([-2.0, 1.0, -5.0, 3.0])) @ Q.T
+    step = field3d._bounded_newton_step(H, 0.01 * g)
+    np.testing.assert_allclose(Q.T @ step, (Q.T @ (0.01 * g)) / np.array([2.0, 1.0, 5.0, 3.0]), rtol=1e-10)
+    assert step @ g > 0
