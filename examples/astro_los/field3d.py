@@ -943,8 +943,9 @@ def _pixel_evidence_fit(
     data: Data, rad: Radial, theta0: np.ndarray, bounds: list, free: tuple, steps: int = 40, log: Callable = print
 ) -> np.ndarray:
     """Maximise :func:`pixelwise_evidence` over the hyperparameters named in ``free``, the others held
-    at ``theta0``: Newton steps with the exact Hessian (made negative definite), each at most 1 in
-    every coordinate, halved until the evidence rises. Call under ``jax.enable_x64``."""
+    at ``theta0``: :func:`_bounded_newton_step` on the Hessian (central differences of the exact
+    gradient), at most 1 in every coordinate, halved until the evidence rises; the step count,
+    gradients and seconds are logged. Call under ``jax.enable_x64``."""
     idx = np.array([NAMES.index(n) for n in free])
     lo, hi = np.array([bounds[i][0] for i in idx]), np.array([bounds[i][1] for i in idx])
     base = jnp.asarray(theta0, jnp.float64)
