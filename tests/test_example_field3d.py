@@ -418,3 +418,30 @@ def test_bounded_newton_step():
     step = field3d._bounded_newton_step(H, 0.01 * g)
     np.testing.assert_allclose(Q.T @ step, (Q.T @ (0.01 * g)) / np.array([2.0, 1.0, 5.0, 3.0]), rtol=1e-10)
     assert step @ g > 0
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_line_passes_lower_at_float32_matmul_precision(platform):
+    # a TPU's default matmul precision is one bfloat16 pass (~3 digits): summed over ~3300 lines per
+    # pixel, the statistics D_p came out indefinite at 54M lines. Every dot of the compression pass
+    # and of the statistics' transposes is lowered for the accelerator at HIGHEST (float32).
+    import re
+
+    rng = np.random.default_rng(6)
+    b = los.bin_edges(24)
+    V = np.linalg.qr(rng.standard_normal((24, 5)))[0]
+    rows = {k: jax.ShapeDtypeStruct((256,), jnp.float32) for k in ("d", "s", "sigma")}
+    g = rng.standard_normal((300, 5)).astype(np.float32)
+    A = field3d.latent_operator(g, rng.integers(0, 7, 300), 7, chunk=64, layout="plain")
+    lowered = {
+        "compression": jax.export.export(jax.jit(field3d._compress_pass(b, V, "standard", 64)), platforms=[platform])(
+            rows
+        ),
+        "statistics": jax.export.export(jax.jit(field3d._transposed), platforms=[platform])(
+            A, jnp.ones(300, jnp.float32)
+        ),
+    }
+    for name, exp in lowered.items():
+        dots = re.findall(r"stablehlo.dot_general[^\n]*", exp.mlir_module())
+        assert dots, name
+        assert all("precision = [HIGHEST, HIGHEST]" in d for d in dots), (name, dots)

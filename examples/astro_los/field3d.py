@@ -146,25 +146,7 @@ def compress_lines(
     pass took 37 s at 13.24M lines on the TPU machine's host). ``seconds``, when given, gains the
     time spent computing (``"device"``, compiles included) and copying the results into host
     arrays (``"copy"``)."""
-    Vj = jnp.asarray(V, jnp.float32)
-    complete = V.shape[1] >= V.shape[0]  # (every direction kept: nothing beyond V)
-
-    def one(row):
-        # the barrier keeps the weights out of the matmul's fusion: on a TPU v5e, XLA compiled that
-        # fusion for 32 s a call, 4.3 s with the barrier (benchmarks/RESULTS.md)
-        w = jax.lax.optimization_barrier(los.response_weights(row["d"], row["s"], cat.edges, response))
-        g = w @ Vj
-        beyond = 0.0 if complete else jnp.sum(jnp.square(w - Vj @ g))
-        dropped = jnp.cumsum(jnp.square(g)[::-1])[::-1]  # sum_{j >= J}, J = 0 .. K - 1
-        e = jnp.sqrt(jnp.append(dropped[1:], 0.0) + beyond) / row["sigma"]
-        return g, jnp.sum(w), e
-
-    def run(r):
-        g, w1, e = chunkop.map(one, r, chunk_size=min(chunk, len(r["d"])))
-        # (K, n): on a TPU an (n, K) array's minor axis is padded to 128 lanes
-        return g.T, w1, jnp.stack([jnp.max(e, 0), jnp.sum(jnp.square(e), 0)])
-
-    run = jax.jit(run)
+    run = jax.jit(_compress_pass(cat.edges, V, response, chunk))
     # blocks of lines, each block's g copied out before the next (27.6 GB of padded (n, K) at 54M lines)
     block = max(chunk, COMPRESS_BYTES // (128 * 4) // chunk * chunk)
     g = np.empty((cat.n_los, V.shape[1]), np.float32)
@@ -174,8 +156,7 @@ def compress_lines(
         sl = slice(lo, min(lo + block, cat.n_los))
         t0 = time.perf_counter()
         rows = {k: jnp.asarray(getattr(cat, k)[sl], jnp.float32) for k in ("d", "s", "sigma")}
-        with jax.default_matmul_precision("float32"):  # (a TPU's default: one bfloat16 pass)
-            out = jax.block_until_ready(run(rows))
+        out = jax.block_until_ready(run(rows))
         t1 = time.perf_counter()
         gt, w1[sl], st = (np.asarray(o) for o in out)
         g[sl] = gt.T
@@ -186,6 +167,32 @@ def compress_lines(
         for k, v in spent.items():
             seconds[k] = seconds.get(k, 0.0) + v
     return g, w1, stats
+
+
+def _compress_pass(edges: np.ndarray, V: np.ndarray, response: str, chunk: int) -> Callable:
+    """:func:`compress_lines`' pass over a block of lines, ``{"d", "s", "sigma"} (n,) ->`` ``g^T``
+    ``(K, n)``, ``w . 1`` ``(n,)`` and the block's truncation measurements ``(2, K)``, at float32
+    matmul precision (a TPU's default is one bfloat16 pass, about 3 significant digits)."""
+    Vj = jnp.asarray(V, jnp.float32)
+    complete = V.shape[1] >= V.shape[0]  # (every direction kept: nothing beyond V)
+
+    def one(row):
+        # the barrier keeps the weights out of the matmul's fusion: on a TPU v5e, XLA compiled that
+        # fusion for 32 s a call, 4.3 s with the barrier (benchmarks/RESULTS.md)
+        w = jax.lax.optimization_barrier(los.response_weights(row["d"], row["s"], edges, response))
+        g = w @ Vj
+        beyond = 0.0 if complete else jnp.sum(jnp.square(w - Vj @ g))
+        dropped = jnp.cumsum(jnp.square(g)[::-1])[::-1]  # sum_{j >= J}, J = 0 .. K - 1
+        e = jnp.sqrt(jnp.append(dropped[1:], 0.0) + beyond) / row["sigma"]
+        return g, jnp.sum(w), e
+
+    def run(r: dict) -> tuple:
+        with jax.default_matmul_precision("float32"):
+            g, w1, e = chunkop.map(one, r, chunk_size=min(chunk, len(r["d"])))
+        # (K, n): on a TPU an (n, K) array's minor axis is padded to 128 lanes
+        return g.T, w1, jnp.stack([jnp.max(e, 0), jnp.sum(jnp.square(e), 0)])
+
+    return run
 
 
 def truncate(stats: np.ndarray, n_lines: int, level: float) -> tuple[int, dict]:
@@ -300,12 +307,17 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: 
         layout=layout,
     )
     ivj = jnp.asarray(iv, jnp.float32)
-    with jax.default_matmul_precision("float32"):  # (a TPU's default: one bfloat16 pass, 3 significant digits)
-        t = jax.jit(lambda A, v: A.T.mv(v))(A, ivj * jnp.asarray(cat.y, jnp.float32))
-        D = jax.jit(lambda B, v: B.T.mv(v))(B, ivj)
+    t = jax.jit(_transposed)(A, ivj * jnp.asarray(cat.y, jnp.float32))
+    D = jax.jit(_transposed)(B, ivj)
     yy = float(np.sum(cat.y.astype(np.float64) ** 2 * iv))
     log_norm = float(np.sum(np.log(2 * np.pi / iv)))
     return Data(D=D, t=t, yy=jnp.asarray(yy), log_norm=jnp.asarray(log_norm), grid=grid)
+
+
+def _transposed(op: chunkop.RowOperator, v: jax.Array) -> jax.Array:
+    """``op^T v`` at float32 matmul precision (a TPU's default is one bfloat16 pass)."""
+    with jax.default_matmul_precision("float32"):
+        return op.T.mv(v)
 
 
 def nearest_psd(D: jax.Array, block: int = 1 << 16) -> jax.Array:
