@@ -257,33 +257,6 @@ def device_mesh(n: int) -> jax.sharding.Mesh:
     return jax.make_mesh((n,), ("rows",), devices=devices[:n])
 
 
-def sharded_operator(P: los.Problem, mesh: jax.sharding.Mesh, layout: str = "auto") -> chunkop.RowOperator:
-    """``P``'s LOS operator built from rows (``pix``, ``d``, ``s``) sharded along their leading axis
-    over the mesh axis ``"rows"``: each device holds and computes ``n_los / n`` lines.
-
-    Raises:
-        ValueError: when the number of lines is not a multiple of the number of devices.
-    """
-    n = int(mesh.shape["rows"])
-    if P.n_los % n:
-        divisors = [k for k in range(1, min(P.n_los, 64) + 1) if P.n_los % k == 0]
-        raise ValueError(
-            f"--devices {n}: the {P.n_los} lines of sight (--size {P.size}) cannot be split evenly over {n} "
-            f"devices (the rows are sharded in equal blocks); use --devices in {divisors}"
-        )
-    rows = jax.device_put({"pix": P.pix, "d": P.d, "s": P.s}, NamedSharding(mesh, PSpec("rows")))
-    return los.make_los_operator(
-        rows["pix"],
-        rows["d"],
-        rows["s"],
-        n_pix=P.n_pix,
-        edges=P.edges,
-        chunk_size=P.chunk,
-        response=P.response,
-        layout=layout,
-    )
-
-
 def describe_sharding(A: chunkop.RowOperator, mesh: jax.sharding.Mesh | None) -> dict:
     """How the operator's rows are laid out: mesh, each row leaf's ``PartitionSpec`` and the number
     of devices holding a shard of it, and the rows per device."""
@@ -707,23 +680,33 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
 
 
 def sharded_los_operator(
-    cat: Catalog, mesh: jax.sharding.Mesh, chunk: int, response: str = "seed", layout: str = "auto"
+    lines: Any, mesh: jax.sharding.Mesh, chunk: int, response: str = "seed", layout: str = "auto"
 ) -> chunkop.RowOperator:
-    """The catalog's LOS operator with rows (``pix``, ``d``, ``s``) sharded over the mesh axis ``"rows"``."""
-    n = int(mesh.shape["rows"])
-    if cat.n_los % n:
-        raise ValueError(f"--devices {n}: the {cat.n_los} lines cannot be split evenly over {n} devices")
+    """The LOS operator of ``lines`` (a :class:`catalog.Catalog` or a ``los.Problem``: its ``pix``,
+    ``d``, ``s``, ``n_pix``, ``edges``) with those rows sharded along their leading axis over the mesh
+    axis ``"rows"``: each device holds and computes ``n_los / n`` lines.
+
+    Raises:
+        ValueError: when the number of lines is not a multiple of the number of devices.
+    """
+    n, n_los = int(mesh.shape["rows"]), len(lines.pix)
+    if n_los % n:
+        divisors = [k for k in range(1, min(n_los, 64) + 1) if n_los % k == 0]
+        raise ValueError(
+            f"--devices {n}: the {n_los} lines of sight cannot be split evenly over {n} devices (the rows "
+            f"are sharded in equal blocks); use --devices in {divisors}"
+        )
     rows = jax.device_put(
-        {"pix": jnp.asarray(cat.pix), "d": jnp.asarray(cat.d), "s": jnp.asarray(cat.s)},
+        {"pix": jnp.asarray(lines.pix), "d": jnp.asarray(lines.d), "s": jnp.asarray(lines.s)},
         NamedSharding(mesh, PSpec("rows")),
     )
     return los.make_los_operator(
         rows["pix"],
         rows["d"],
         rows["s"],
-        n_pix=cat.n_pix,
-        edges=cat.edges,
-        chunk_size=min(chunk, cat.n_los),
+        n_pix=lines.n_pix,
+        edges=lines.edges,
+        chunk_size=min(chunk, n_los),
         response=response,
         layout=layout,
     )
@@ -842,7 +825,7 @@ def _operator_demos(
     )
     res["problem"] = {"n_pix": P.n_pix, "nx": P.nx, "ny": P.ny, "n_bins": P.n_bins, "n_los": P.n_los, "chunk": chunk}
     res["problem"].update({"sigma": P.sigma, "sky_bytes": sky_bytes, "n_los_x_n_bins_bytes": P.n_los * P.n_bins * 4})
-    A = P.operator(chunk, layout) if mesh is None else sharded_operator(P, mesh, layout)
+    A = P.operator(chunk, layout) if mesh is None else sharded_los_operator(P, mesh, P.chunk, P.response, layout)
     res.update(describe_sharding(A, mesh))
     if mesh is not None:
         log(
