@@ -323,12 +323,14 @@ def _transposed(op: chunkop.RowOperator, v: jax.Array) -> jax.Array:
 def nearest_psd(D: jax.Array, block: int = 1 << 16) -> jax.Array:
     """The nearest (Frobenius) positive semi-definite matrices to the symmetric parts of ``D``
     (``(n, J, J)``): negative eigenvalues set to zero, in ``D``'s dtype, ``block`` matrices at a time."""
-    f = jax.jit(
-        lambda M: (lambda w, Q: (Q * jnp.maximum(w, 0)[..., None, :]) @ jnp.swapaxes(Q, -1, -2))(
-            *jnp.linalg.eigh(0.5 * (M + jnp.swapaxes(M, -1, -2)))
-        )
-    )
-    return jnp.concatenate([f(D[lo : lo + block]) for lo in range(0, D.shape[0], block)])
+    return jnp.concatenate([_psd_block(D[lo : lo + block]) for lo in range(0, D.shape[0], block)])
+
+
+@jax.jit
+def _psd_block(M: jax.Array) -> jax.Array:
+    """:func:`nearest_psd` of one block of matrices."""
+    w, Q = jnp.linalg.eigh(0.5 * (M + jnp.swapaxes(M, -1, -2)))
+    return (Q * jnp.maximum(w, 0)[..., None, :]) @ jnp.swapaxes(Q, -1, -2)
 
 
 # -- the prior ------------------------------------------------------------------------------------
