@@ -277,7 +277,9 @@ def test_auto_chunk_plans_with_the_windows():
     """``chunk_size="auto"`` under a budget: planned on the windowed programs (the windows of
     each candidate chunk compiled in), and the operator runs at the planned chunk."""
     case = make_windowed(n=20000, npix=2000, targets="random")
-    A = chunkop.RowOperator(case.row_fn, case.rows, case.in_structure, chunk_size="auto", memory_budget=2**19)
+    A = chunkop.RowOperator(
+        case.row_fn, case.rows, case.in_structure, chunk_size="auto", memory_budget=2**19, layout="windowed"
+    )
     plan = chunkop.plan(A)
     assert A.layout is not None and plan.chunk == A.chunk_size < 20000 and plan.compiled_bytes <= 2**19
     y = case.y()
@@ -359,3 +361,23 @@ def test_the_permutation_primitive_against_indexing():
     for platform, op in (("tpu", "stablehlo.sort"), ("cpu", "stablehlo.scatter"), ("cuda", "stablehlo.scatter")):
         text = jax.export.export(jax.jit(permute), platforms=[platform])(v, dest, src).mlir_module()
         assert op in text, platform
+
+
+def test_auto_keeps_the_plain_layout_for_a_small_x_on_a_cpu():
+    """``"auto"`` on a CPU: below ``PLATFORMS["cpu"].min_x_bytes`` of ``x`` read (a sky that stays
+    in cache) the plain layout, without sorting the rows; from there the windows, as where
+    ``"windowed"`` is forced; the same values every way."""
+    from chunkop._operator import row_layout
+
+    bound = row_layout.PLATFORMS["cpu"].min_x_bytes
+    assert bound == 2 << 20 and jax.default_backend() == "cpu"
+    k = 64
+    for npix, windowed in ((bound // (4 * k) - 1, False), (bound // (4 * k), True)):
+        case = make_windowed(n=4 * npix, npix=npix, chunk=256, targets="random", k=k)
+        A, W, P = case.op(layout="auto"), case.op(layout="windowed"), plain_of(case)
+        assert row_layout.read_bytes(A.spec.reads, A.spec.in_leaves) == npix * k * 4
+        assert (A.layout is not None) == windowed and W.layout is not None and P.layout is None
+        assert (A.row_order is not None) == windowed  # no sort below the bound
+        x, y = case.x(), case.y()
+        assert_tree_allclose(A.mv(x), P.mv(x), n_terms=1)
+        assert_tree_allclose(A.T.mv(y), W.T.mv(y), n_terms=16)

@@ -55,6 +55,7 @@ __all__ = [
     "row_targets",
     "window_sizes",
     "use_windows",
+    "read_bytes",
     "platform",
     "preferred_chunk",
     "build",
@@ -83,12 +84,17 @@ class Platform:
         unaligned: ... or, whatever their size, when a read leaf's rows have a last axis that is
             not a multiple of this (0: never): where the platform stores such an array with
             another axis minor, so that reading its rows one by one first copies all of ``x``.
+        min_x_bytes: ``"auto"`` keeps the plain layout, without sorting the rows or compiling
+            the windowed programs, while the leaves of ``x`` that ``row_fn`` reads hold fewer
+            bytes than this: where a gather of rows from ``x`` stays in cache, windows gain
+            little and their first call costs more.
     """
 
     windows: bool
     onehot_max: int = 0
     max_window_per_row: float | None = None
     unaligned: int = 0
+    min_x_bytes: int = 0
 
 
 # Measured (benchmarks/explore_window.py, bench_layout.py; benchmarks/RESULTS.md, "Windowed
@@ -103,11 +109,15 @@ class Platform:
 # was not measured: 1 is the bound. 2-core CPU, 128 bins, chunks of 4096: the windows won from 2
 # lines per pixel (windows of half a chunk: mv 0.81x, T 1.03x, grad 0.90x the plain layout's
 # time; at 5, 20 and 70 lines per pixel 0.79-0.90x everywhere) and lost below (1 line per pixel:
-# T 1.7x; 0.2: 2.3x). GPUs were never measured: the plain layout there (layout="windowed" forces
-# the windows, read by a gather).
+# T 1.7x; 0.2: 2.3x). The sky's size on the CPU (bench_layout.py, results/layout_small_sky/, 1M
+# lines): at 0.5-1 MB of x the windows took 0.93-1.02x the plain layout's time warm, at 5-10 MB
+# 0.85-0.94x, at 51-102 MB 0.54-0.92x; a NIFTy.re client on a 0.5 MB sky (bench_vi.py) ran 1.16x
+# jax.vmap with them and 1.06x without (their sort and compile in its first call): 2 MiB is the
+# bound. GPUs were never measured: the plain layout there (layout="windowed" forces the windows,
+# read by a gather).
 PLATFORMS: dict[str, Platform] = {
     "tpu": Platform(windows=True, onehot_max=128, max_window_per_row=1.0, unaligned=128),
-    "cpu": Platform(windows=True, max_window_per_row=0.6),
+    "cpu": Platform(windows=True, max_window_per_row=0.6, min_x_bytes=2 << 20),
 }
 MIN_ONEHOT_CHUNK = 1024
 
@@ -259,6 +269,11 @@ def window_sizes(targets: np.ndarray, reads: Reads, x_sizes: tuple, chunk: int, 
 def platform() -> Platform:
     """What was measured on the default backend's platform (:data:`PLATFORMS`; none: no windows)."""
     return PLATFORMS.get(jax.default_backend(), Platform(windows=False))
+
+
+def read_bytes(reads: Reads, x_leaves: tuple) -> int:
+    """The bytes of the leaves of ``x`` that ``row_fn`` reads (each once)."""
+    return sum(int(np.prod(x_leaves[i].shape)) * np.dtype(x_leaves[i].dtype).itemsize for i in set(reads.leaves))
 
 
 def use_windows(layout: str, windows: tuple, x_leaves: tuple, chunk: int) -> bool:
