@@ -182,6 +182,12 @@ def test_tiny_standard_reconstruction_from_the_cli(tiny_standard):
     # the column's sd is the samples' sd of the column: not the sum of the bins' sd (correlations count)
     db = np.diff(cat.edges)
     assert np.all(col_std < 1.001 * (std @ db))
+    # `a` stays at the lines' best log-quadratic level (the centre of its bounds) through both stages:
+    # learned, it ran off along a ridge with the sky-wide mode at 54M lines (field3d.PIXEL_FREE)
+    h = summ["hyperparameters"]
+    assert "a" not in field3d.PIXEL_FREE and h["names"][0] == "a"
+    assert h["theta"][0] == pytest.approx(np.mean(h["bounds"][0]), abs=1e-9)
+    assert h["fit"]["pixelwise_theta"][0] == h["theta"][0]
 
 
 def test_bounded_compression_keeps_the_leading_vectors_exactly(monkeypatch):

@@ -20,9 +20,10 @@ Model (nothing in it comes from a generator of synthetic skies)::
 
 ``theta = (a, b, c, ln amp, ln amp0, ln ell_xy, ln slope, ln ell_r)`` maximises the evidence
 ``p(y | theta)`` (type-II maximum likelihood) times a hyperprior ``b, c ~ N(0, 1)`` (flat within
-bounds for the rest), in two stages (:func:`reconstruct`): first ``a, b, c, amp, amp0, ell_r`` by the
+bounds for the rest), in two stages (:func:`reconstruct`): first ``b, c, amp, amp0, ell_r`` by the
 exact evidence of the model without plane-of-sky correlation (:func:`pixelwise_evidence`, Newton
-steps); then all but ``a, b, c`` by the full model's evidence (:func:`fit_hyperparameters`,
+steps), ``a`` held at the lines' best log-quadratic profile (:func:`start_and_bounds`; see
+:data:`PIXEL_FREE`); then all but ``a, b, c`` by the full model's evidence (:func:`fit_hyperparameters`,
 quasi-Newton), whose gradient is the posterior mean of the gradient of ``log p(y | field, theta)``
 over the whitened field (Fisher's identity), estimated with exact posterior samples (perturb and
 solve, mirrored), the same random numbers at every step, each solve started from the last one's.
@@ -71,7 +72,8 @@ POSTERIOR_BYTES = 6 << 30  # the posterior's solves, at most (coarser latent blo
 MAX_LEARN = 16384  # ... and of the hyperparameters' fit
 MAX_BASIS = 32  # radial vectors computed per line when all of them would exceed COMPRESS_BYTES
 COMPRESS_BYTES = 1 << 30  # (n_lines x n_bins float32 at the seed's size: 0.27 GB; at 54M lines: 111 GB)
-PROFILE_VECTORS = 3  # radial vectors added for the mean profile's family (with_profile_vectors)
+AMP0_MAX = 10.0  # the sky-wide mode's largest sd, in units of the mean profile (start_and_bounds)
+PROFILE_VECTORS = 6  # radial vectors added for the mean profile's family (with_profile_vectors)
 EXACT_PROFILE_LINES = 1 << 20  # the mean profile's start from each line's prediction up to here, then from sums
 LEARN = {
     "steps": 20,
@@ -691,7 +693,10 @@ def with_profile_vectors(
     line of the catalog: what the basis drops of it adds up over the lines into a bias. At the
     default size the true mean profile's dropped part moved the data by 28 noise sd in all (the norm of
     ``(w_l - V V^T w_l) . mu / sigma_l`` over the lines) with the 16 vectors the truncation keeps,
-    0.06 sd with these three added. ``seconds``: as :func:`compress_lines`'."""
+    0.06 sd with three added; but that grows with the stars: with 8M stars on the default grid three
+    left the sky 0.21 in error in front of 100 pc (oracle 0.45) and 35% of the ``1/r^2``-weighted
+    columns within 2 sd, six 0.067 and 51% (six more basis vectors instead: no better; 54M on a TPU
+    with three: 2.6%; ``benchmarks/RESULTS.md``). ``seconds``: as :func:`compress_lines`'."""
     if PROFILE_VECTORS == 0:
         return V, g
     with jax.enable_x64(True), jax.default_device(_host()):
@@ -732,7 +737,7 @@ def start_and_bounds(cat: Catalog, g: np.ndarray, rad: Radial) -> tuple[np.ndarr
         (-6.0, 6.0),
         (-6.0, 6.0),
         (np.log(1e-3), np.log(10.0)),
-        (np.log(1e-3), np.log(10.0)),
+        (np.log(1e-3), np.log(AMP0_MAX)),
         (np.log(0.3), np.log(float(n))),
         (np.log(1.05), np.log(50.0)),
         (np.log(float(np.min(np.diff(cat.edges)))), np.log(10.0 * span)),
@@ -1019,6 +1024,17 @@ def _pixel_evidence_fit(
     return out
 
 
+#: the hyperparameters the pixel-by-pixel evidence learns (:func:`reconstruct`'s first stage). Not ``a``:
+#: the zero mode (a Gaussian process along the line with ``ell_r`` of several kpc, nearly a constant
+#: there) moves the mean profile's level as ``a`` does, and the field's sd is ``amp mu``, so the
+#: evidence is nearly flat along ``a`` up, ``amp`` down. With ``a`` free the fit ran along that
+#: ridge at 54M lines (40 Newton steps, its cap: ``a`` 2.65 from -1.06, ``amp`` 0.01, the mean 47x
+#: the lines' and the zero mode cancelling it), and the full fit's CG then took 1000 steps. Held at
+#: the lines' best log-quadratic profile, the same statistics take 9 steps to ``amp`` 0.43, and the
+#: default catalog's and 13.24M lines' evidence is as high as with ``a`` free (0.3 nats higher at
+#: the default size, where the free fit stopped on the ridge).
+PIXEL_FREE = ("b", "c", "log_amp", "log_amp0", "log_ell_r")
+
 #: what the posterior's summaries may be trusted for: a pixel's column is "constrained" when the data
 #: cut its prior sd by at least this factor
 CONSTRAINED = 2.0
@@ -1037,7 +1053,7 @@ def reconstruct(
     """The 3-D prior's reconstruction of ``cat`` seen through ``response``, from the catalog alone.
 
     Compresses the lines onto the radial basis (:func:`radial_basis`, :func:`truncate`), learns
-    ``theta``: first the radial hyperparameters by the exact pixel-by-pixel evidence
+    ``theta``: first the radial hyperparameters but ``a`` (:data:`PIXEL_FREE`) by the exact pixel-by-pixel evidence
     (:func:`pixelwise_evidence`), then all but the mean profile's by the full model's evidence
     (:func:`fit_hyperparameters`, at most ``learn_gradients`` stochastic gradients; 0: skip), and
     solves the posterior with ``samples`` samples (rounded up to pairs; at least 2).
@@ -1105,8 +1121,7 @@ def reconstruct(
         data = data_on_latent(learn_grid)
         timing["data_on_s"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        radial_names = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_r")
-        theta = _pixel_evidence_fit(data, rad, theta0, bounds, radial_names, log=log)
+        theta = _pixel_evidence_fit(data, rad, theta0, bounds, PIXEL_FREE, log=log)
         fit = {"pixelwise_theta": theta.tolist()}
         timing["pixel_evidence_s"] = time.perf_counter() - t1
         if learn_gradients > 0:
