@@ -56,6 +56,7 @@ __all__ = [
     "window_sizes",
     "use_windows",
     "read_bytes",
+    "worth_sorting",
     "platform",
     "preferred_chunk",
     "build",
@@ -274,6 +275,14 @@ def platform() -> Platform:
 def read_bytes(reads: Reads, x_leaves: tuple) -> int:
     """The bytes of the leaves of ``x`` that ``row_fn`` reads (each once)."""
     return sum(int(np.prod(x_leaves[i].shape)) * np.dtype(x_leaves[i].dtype).itemsize for i in set(reads.leaves))
+
+
+def worth_sorting(reads: Reads, x_leaves: tuple) -> bool:
+    """Whether ``layout="auto"`` sorts the rows at all on this platform (before the windows are
+    known, :func:`use_windows`): it reads windows, and ``x``'s leaves read are not below its
+    ``min_x_bytes``."""
+    measured = platform()
+    return measured.windows and read_bytes(reads, x_leaves) >= measured.min_x_bytes
 
 
 def use_windows(layout: str, windows: tuple, x_leaves: tuple, chunk: int) -> bool:

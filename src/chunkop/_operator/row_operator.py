@@ -639,37 +639,31 @@ def _windowed(
     forced = layout == "windowed"
     if layout == "plain" or segment_key is not None:
         return None
-    if not forced and not row_layout.platform().windows:
-        return None
     why = None
     if spec.reads is None:
         why = "`row_fn` reads `x` otherwise than as whole rows (x[i], x[i:i + k] along each leaf's leading axis)"
     elif any(s.shape and is_symbolic(s.shape[0]) for s in spec.in_leaves):
         why = "`x`'s leaves of concrete sizes (jax.export's symbolic sizes cannot be windowed)"
-    if (
-        not forced
-        and why is None
-        and row_layout.read_bytes(spec.reads, spec.in_leaves) < row_layout.platform().min_x_bytes
-    ):
-        return None  # (a small x: the platform's measurements keep the plain layout, no sort)
-    x_sizes = None if why else tuple(int(s.shape[0]) if s.shape else 0 for s in spec.in_leaves)
-    targets = None if why else row_layout.row_targets(spec.jaxpr, spec.reads, consts, rows, x_sizes)
-    if why is None and targets is None:
-        why = "the rows' targets are traced (rows built under jax.jit or jax.vmap): they must be concrete"
-    shards = 1
-    n = targets.shape[0] if targets is not None else 0
-    if mesh_axes is not None and n % mesh_axes.n_shards == 0:
-        shards = mesh_axes.n_shards
+    if not forced and (why is not None or not row_layout.worth_sorting(spec.reads, spec.in_leaves)):
+        return None  # "auto": the plain layout, unsorted, where the platform's measurements say so
     if why is None:
-        order, targets = row_layout.build(targets, shards)
-        windows_at = lambda chunk: row_layout.window_sizes(targets, spec.reads, x_sizes, chunk, shards)
-        if order.order is not None:
-            order = row_layout.RowLayout(*(row_layout.placed(a, rows) for a in (order.order, order.inverse)))
-            rows = row_sharding.map_rows(lambda m: m[1].to_sorted(m[0]), (rows, order))
-        return order, targets, windows_at, rows
-    if forced:
-        raise ValueError(f"RowOperator: layout='windowed' needs {why}; use layout='auto' or 'plain'.")
-    return None
+        x_sizes = tuple(int(s.shape[0]) if s.shape else 0 for s in spec.in_leaves)
+        targets = row_layout.row_targets(spec.jaxpr, spec.reads, consts, rows, x_sizes)
+        if targets is None:
+            why = "the rows' targets are traced (rows built under jax.jit or jax.vmap): they must be concrete"
+    if why is not None:
+        if forced:
+            raise ValueError(f"RowOperator: layout='windowed' needs {why}; use layout='auto' or 'plain'.")
+        return None
+    shards = 1
+    if mesh_axes is not None and targets.shape[0] % mesh_axes.n_shards == 0:
+        shards = mesh_axes.n_shards
+    order, targets = row_layout.build(targets, shards)
+    windows_at = lambda chunk: row_layout.window_sizes(targets, spec.reads, x_sizes, chunk, shards)
+    if order.order is not None:
+        order = row_layout.RowLayout(*(row_layout.placed(a, rows) for a in (order.order, order.inverse)))
+        rows = row_sharding.map_rows(lambda m: m[1].to_sorted(m[0]), (rows, order))
+    return order, targets, windows_at, rows
 
 
 class TransposedRowOperator(lx.AbstractLinearOperator):
