@@ -72,7 +72,6 @@ POSTERIOR_BYTES = 6 << 30  # the posterior's solves, at most (coarser latent blo
 MAX_LEARN = 16384  # ... and of the hyperparameters' fit
 MAX_BASIS = 32  # radial vectors computed per line when all of them would exceed COMPRESS_BYTES
 COMPRESS_BYTES = 1 << 30  # (n_lines x n_bins float32 at the seed's size: 0.27 GB; at 54M lines: 111 GB)
-AMP0_MAX = 10.0  # the sky-wide mode's largest sd, in units of the mean profile (start_and_bounds)
 PROFILE_VECTORS = 6  # radial vectors added for the mean profile's family (with_profile_vectors)
 EXACT_PROFILE_LINES = 1 << 20  # the mean profile's start from each line's prediction up to here, then from sums
 LEARN = {
@@ -737,7 +736,7 @@ def start_and_bounds(cat: Catalog, g: np.ndarray, rad: Radial) -> tuple[np.ndarr
         (-6.0, 6.0),
         (-6.0, 6.0),
         (np.log(1e-3), np.log(10.0)),
-        (np.log(1e-3), np.log(AMP0_MAX)),
+        (np.log(1e-3), np.log(10.0)),
         (np.log(0.3), np.log(float(n))),
         (np.log(1.05), np.log(50.0)),
         (np.log(float(np.min(np.diff(cat.edges)))), np.log(10.0 * span)),
