@@ -11,9 +11,9 @@ axis laid out as ``(devices, shard)``, the loop under ``jax.vmap`` over the devi
 - ``chunkop.sum`` / ``mean`` add the per-device sums: one all-reduce per call, and no
   all-gather of the inputs.
 
-Under ``jax.jit`` on an Auto mesh the argument types carry no sharding, so there is nothing to
-detect: ``spmd_axis_name`` names the mesh axes, or use an Explicit mesh (``jax.make_mesh``'s
-default).
+Under ``jax.jit`` on an Auto mesh the argument types name the mesh but not the sharding, so
+there is nothing to detect: ``spmd_axis_name`` names the mesh axes (of the current mesh, or else
+of the mesh the mapped arguments are on), or use an Explicit mesh (``jax.make_mesh``'s default).
 
 This module finds the mesh axes (:func:`mapped_mesh_axes`), sets their mesh as the context
 (:func:`mesh_context`), reshards to specs (:func:`conform`) and runs the one device layout
@@ -82,9 +82,9 @@ def mapped_mesh_axes(
     """The mesh axes the mapped axis is sharded over, or None when no mapped input is sharded.
 
     Found from the mapped inputs' ``NamedSharding`` (concrete arrays; or traced ones on an
-    Explicit mesh). Failing that, ``spmd_axis_name`` names them, when the current mesh
-    (``jax.set_mesh``) has those axes: this is how an Auto mesh under ``jax.jit`` (where traced
-    values carry no sharding) asks for device-local chunking.
+    Explicit mesh). Failing that, ``spmd_axis_name`` names them where the types cannot
+    (:func:`_named_axes`): this is how an Auto mesh under ``jax.jit`` (where traced values carry
+    their mesh but no sharding) asks for device-local chunking, with or without ``jax.set_mesh``.
 
     Args:
         leaves: the flat arguments.
@@ -117,13 +117,34 @@ def mapped_mesh_axes(
                 f"mesh axes {found.names} and {here.names}; shard them the same way (or reshard "
                 f"with jax.device_put / jax.sharding.reshard)."
             )
-    if found is None and spmd_axis_name is not None and any(a is not None for a in axes):
-        names = tuple(spmd_axis_name) if isinstance(spmd_axis_name, (tuple, list)) else (spmd_axis_name,)
-        mesh = jax.sharding.get_abstract_mesh()
-        manual = set(getattr(mesh, "manual_axes", ()) or ())
-        if not mesh.empty and all(a in mesh.axis_names and a not in manual for a in names):
-            found = MeshAxes(mesh, names)
+    if found is None and spmd_axis_name is not None:
+        found = _named_axes(leaves, axes, spmd_axis_name)
     return found
+
+
+def _named_axes(leaves: Sequence[Any], axes: Sequence[int | None], spmd_axis_name: Any) -> MeshAxes | None:
+    """The mesh axes ``spmd_axis_name`` names, where the mapped inputs' types do not say how they
+    are sharded (traced values on Auto mesh axes): on the current mesh or, where none is set, on
+    the one mesh the mapped inputs are on (their types name it). None where the inputs are
+    known not to be split along the mapped axis, as ``jax.vmap``'s result then is not: concrete
+    arrays or Explicit mesh axes (the sharding is known, and was not along the mapped axis), or
+    mesh axes that do not divide the mapped axis evenly."""
+    mapped = [(x, a) for x, a in zip(leaves, axes) if a is not None]
+    if not mapped or not all(isinstance(x, jax.core.Tracer) for x, _ in mapped):
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        meshes = [s.mesh for x, _ in mapped if (s := _sharding_of(x)) is not None and not s.mesh.empty]
+        if not meshes or any(m != meshes[0] for m in meshes):
+            return None
+        mesh = meshes[0]
+    names = tuple(spmd_axis_name) if isinstance(spmd_axis_name, (tuple, list)) else (spmd_axis_name,)
+    manual = set(getattr(mesh, "manual_axes", ()) or ())
+    if not all(a in mesh.axis_names and a not in manual for a in names):
+        return None
+    found = MeshAxes(mesh, names)
+    x, a = mapped[0]
+    return None if explicit(found) or jnp.shape(x)[a] % found.n_shards else found
 
 
 def mesh_context(mesh_axes: MeshAxes) -> Any:
