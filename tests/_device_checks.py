@@ -77,6 +77,27 @@ def run_script(script: Path, names: Sequence[str] = (), timeout: int = 900) -> d
     return json.loads(lines[-1])
 
 
+def script_tests(script: Path, names: Sequence[str]) -> tuple[Callable, Callable, Callable]:
+    """A test module's share of a check script: ``results`` (a module-scoped fixture running the
+    named checks in one subprocess), a test that the script defines exactly ``names``, and one test
+    per name. Bind them at module level: ``results, test_every_check_is_listed, test_NAME =
+    script_tests(SCRIPT, NAMES)`` (pytest collects the names they are bound to)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def results() -> dict:
+        return run_script(script, names)
+
+    def listed() -> None:
+        assert sorted(defined_checks(script)) == sorted(names)
+
+    @pytest.mark.parametrize("name", names)
+    def one(results: dict, name: str) -> None:
+        assert results.get(name) == "ok", results.get(name, "check not run")
+
+    return results, listed, one
+
+
 def defined_checks(script: Path) -> list[str]:
     """The names of the ``@check`` functions a script defines (to compare with a test's list)."""
     text = script.read_text()

@@ -93,6 +93,16 @@ def same_as_jax_vmap(chunked, reference, *args, n_terms=N, no_collectives=False,
             assert got == [], got
 
 
+def vmap_as_jax_vmap(w, x, n_terms=N):
+    """``chunkop.vmap(f, spmd_axis_name="d")`` as ``jax.vmap``'s (:func:`same_as_jax_vmap`), under
+    ``jax.jit`` and eagerly; returns the chunked function."""
+    chunked = chunkop.vmap(f, (None, 0), chunk_size=CHUNK, spmd_axis_name="d")
+    vmapped = jax.vmap(f, (None, 0), spmd_axis_name="d")
+    for jit in (True, False):
+        same_as_jax_vmap(chunked, vmapped, w, x, n_terms=n_terms, jit=jit)
+    return chunked
+
+
 def grads_as_jax_vmap(kind, w, x, spmd):
     """The gradient (w and x) of a loss through ``chunkop.vmap`` / ``sum`` / ``mean`` as through
     ``jax.vmap``: values, shardings and collectives (``jax.vmap``'s: one all-reduce of w's)."""
@@ -154,10 +164,7 @@ def uneven_split_as_jax_vmap():
             x = jax.device_put(xs, NamedSharding(mesh, spec))
             for inside in (False, True):
                 with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
-                    chunked = chunkop.vmap(f, (None, 0), chunk_size=CHUNK, spmd_axis_name="d")
-                    vmapped = jax.vmap(f, (None, 0), spmd_axis_name="d")
-                    for jit in (True, False):
-                        same_as_jax_vmap(chunked, vmapped, w, x, n_terms=10, jit=jit)
+                    vmap_as_jax_vmap(w, x, n_terms=10)
                     total = chunkop.sum(loss, (None, 0), chunk_size=CHUNK, spmd_axis_name="d")
                     ref = lambda w, x: jnp.sum(jax.vmap(loss, (None, 0), spmd_axis_name="d")(w, x))
                     assert_tree_allclose(jax.jit(total)(w, x), jax.jit(ref)(w, x), n_terms=10)
@@ -174,10 +181,7 @@ def explicit_mesh_replicated_input():
         x = jax.device_put(xs, NamedSharding(mesh, spec))
         for inside in (False, True):
             with jax.set_mesh(mesh) if inside else contextlib.nullcontext():
-                chunked = chunkop.vmap(f, (None, 0), chunk_size=CHUNK, spmd_axis_name="d")
-                vmapped = jax.vmap(f, (None, 0), spmd_axis_name="d")
-                for jit in (True, False):
-                    same_as_jax_vmap(chunked, vmapped, w, x, jit=jit)
+                chunked = vmap_as_jax_vmap(w, x)
                 assert specs(jax.jit(chunked)(w, x)) == [(None, None)]
 
 

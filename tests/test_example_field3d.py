@@ -315,10 +315,11 @@ def test_profile_vectors_hold_the_mean_profile_family_for_every_line():
     assert V2.shape == (40, 40) and g2.shape == (3000, 40)
 
 
-@pytest.mark.parametrize("J, pairs", [(7, 4), (12, 1)])
-def test_posterior_bytes_bounds_the_compiled_solves(J, pairs):
-    # the latent grid is chosen by posterior_bytes: a bound on XLA's compiled memory of the solves
-    # (arguments, temporaries, outputs), and not a loose one
+@pytest.mark.parametrize("J, pairs", [(7, 4), (12, 1), (19, 4)])
+@pytest.mark.parametrize("batched", [False, True])
+def test_posterior_bytes_bounds_the_compiled_solves(J, pairs, batched):
+    # the latent grid and the solves' batch are chosen by posterior_bytes: a bound on XLA's
+    # compiled memory of the solves (arguments, temporaries, outputs), and not a loose one
     grid = field3d.Grid(40, 30, 1)
     b = los.bin_edges(30)
     V = np.linalg.qr(np.random.default_rng(0).standard_normal((30, J)))[0]
@@ -333,14 +334,49 @@ def test_posterior_bytes_bounds_the_compiled_solves(J, pairs):
         )
         noise = field3d.draw_noise(data, jax.random.key(0), pairs)
         z0 = field3d.zeros(data, 1 + pairs)
-        m = field3d.solve_all.lower(jnp.zeros(8), data, rad, noise, z0, iters=10, tol=0.01).compile().memory_analysis()
+        batch = 1 + pairs if batched else 1
+        m = (
+            field3d.solve_all.lower(jnp.zeros(8), data, rad, noise, z0, iters=10, tol=0.01, batch=batch)
+            .compile()
+            .memory_analysis()
+        )
     used = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-    bound = field3d.posterior_bytes(grid.size, J, pairs)
+    bound = field3d.posterior_bytes(grid.size, J, pairs, batched)
     assert used <= bound <= 1.6 * used
-    # the grid follows the budget: every pixel when it fits, blocks when not
-    assert field3d.posterior_grid(1024, 768, J, pairs).factor == 1  # the users' grid: 1.7 and 2.6 GB
-    grid = field3d.posterior_grid(1024, 768, 32, 4)  # 17.9 GB on every pixel
+
+
+def test_the_posterior_grid_and_batch_follow_the_budget():
+    # every pixel when the solves fit one at a time; all at once where they fit together
+    assert field3d.posterior_grid(1024, 768, 19, 4).factor == 1  # the users' grid at 54M lines: 5.9 GiB
+    assert field3d.solve_batch(1024 * 768, 19, 4) == 1  # together: 6.8 GiB
+    assert field3d.solve_batch(1024 * 768, 13, 4) == 5  # the seed's 132400 lines: 3.7 GiB
+    grid = field3d.posterior_grid(1024, 768, 32, 4)  # 14.8 GiB on every pixel
     assert grid.factor == 2 and field3d.posterior_bytes(grid.size, 32, 4) <= field3d.POSTERIOR_BYTES
+    # the batch changes the steps' order, not the answer
+    rng = np.random.default_rng(1)
+    grid = field3d.Grid(12, 8, 1)
+    J, pairs = 5, 2
+    V = np.linalg.qr(rng.standard_normal((24, J)))[0]
+    A = rng.standard_normal((grid.size, J, J)).astype(np.float32)
+    with jax.enable_x64(True):
+        rad = field3d.Radial.of(los.bin_edges(24), V)
+        data = field3d.Data(
+            D=jnp.asarray(np.einsum("pij,pkj->pik", A, A)),
+            t=jnp.asarray(rng.standard_normal((grid.size, J)), jnp.float32),
+            yy=jnp.asarray(0.0),
+            log_norm=jnp.asarray(0.0),
+            grid=grid,
+        )
+        noise = field3d.draw_noise(data, jax.random.key(0), pairs)
+        z0 = field3d.zeros(data, 1 + pairs)
+        args = (jnp.asarray([0.0, 0.0, 0.0, -1.0, -1.0, 1.0, 0.7, 6.0]), data, rad, noise, z0)
+        one = field3d.solve_all(*args, iters=200, tol=1e-6, batch=1)
+        together = field3d.solve_all(*args, iters=200, tol=1e-6, batch=1 + pairs)
+    np.testing.assert_allclose(
+        np.asarray(one[0]), np.asarray(together[0]), rtol=0, atol=2e-4 * float(jnp.max(jnp.abs(one[0])))
+    )
+    # each solve stops at its own tolerance either way (a batch runs as long as its slowest)
+    np.testing.assert_array_equal(np.asarray(one[1]), np.asarray(together[1]))
 
 
 def test_layout_reaches_every_operator_over_the_lines(tmp_path, monkeypatch):

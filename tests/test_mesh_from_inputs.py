@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from _device_checks import defined_checks, run_script
+from _device_checks import script_tests
 
 SCRIPT = Path(__file__).with_name("_mesh_from_inputs_checks.py")
 NAMES = [
@@ -27,15 +26,4 @@ NAMES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return run_script(SCRIPT, NAMES)
-
-
-def test_every_check_is_listed():
-    assert sorted(defined_checks(SCRIPT)) == sorted(NAMES)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_mesh_from_inputs(results: dict, name: str) -> None:
-    assert results.get(name) == "ok", results.get(name, "check not run")
+results, test_every_check_is_listed, test_mesh_from_inputs = script_tests(SCRIPT, NAMES)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-from _device_checks import defined_checks, run_script
+from _device_checks import script_tests
 
 SCRIPT = Path(__file__).with_name("_multidevice_checks.py")
 NAMES = [
@@ -45,15 +44,4 @@ NAMES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def results() -> dict:
-    return run_script(SCRIPT, NAMES)
-
-
-def test_every_check_is_listed():
-    assert sorted(defined_checks(SCRIPT)) == sorted(NAMES)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_multidevice(results: dict, name: str) -> None:
-    assert results.get(name) == "ok", results.get(name, "check not run")
+results, test_every_check_is_listed, test_multidevice = script_tests(SCRIPT, NAMES)

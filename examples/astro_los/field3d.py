@@ -42,10 +42,12 @@ unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)``, added to every sample's 
 The latent plane-of-sky grid is the catalog's, coarsened (blocks of ``factor x factor`` pixels
 sharing one value) only where the posterior's solves would need more than ``POSTERIOR_BYTES``
 (:func:`posterior_bytes`) and the hyperparameters' fit more than ``MAX_LEARN`` pixels (the users'
-1024 x 768 grid: the posterior on every pixel up to J = 17 radial vectors with 8 samples, the
-hyperparameters on 147 x 110). Blocks cannot follow the sky inside them: with a few lines per pixel
-their errors stop covering the truth (3M lines, 4 x 4 blocks: 41.5% of the columns within 2 sd;
-every pixel: 99.0%).
+1024 x 768 grid: the posterior on every pixel up to J = 19 radial vectors with 8 samples, its
+solves one at a time where they do not fit together, :func:`solve_batch`; the hyperparameters on
+147 x 110). Blocks cannot follow the sky inside
+them: with a few lines per pixel their errors stop covering the truth (3M lines, 4 x 4 blocks:
+41.5% of the columns within 2 sd, every pixel: 99.0%; 54M lines, 2 x 2 blocks: 33.7%, every
+pixel: 92.5%).
 """
 
 from __future__ import annotations
@@ -241,16 +243,28 @@ def grid_for(nx: int, ny: int, max_pixels: int) -> Grid:
     return Grid(nx, ny, f)
 
 
-def posterior_bytes(n_lat: int, J: int, pairs: int) -> int:
+def posterior_bytes(n_lat: int, J: int, pairs: int, batched: bool = False) -> int:
     """A bound on the memory of :func:`solve_all` on ``n_lat`` latent pixels with ``J`` radial vectors
-    and ``pairs`` mirrored sample pairs: ``n_lat (16 J^2 + 40 (1 + pairs) J)`` bytes (XLA's compiled
-    arguments, temporaries and outputs measured ``n_lat (16.0 J^2 + 32.7 (1 + pairs) J)``, within 13%;
-    tests/test_example_field3d.py checks the bound)."""
-    return n_lat * (16 * J * J + 40 * (1 + pairs) * J)
+    and ``pairs`` mirrored sample pairs: ``n_lat (16 J^2 + 40 J + 20 pairs J)`` bytes with the solves
+    one at a time (a pair adds only its right-hand sides and solutions), ``64 n_lat J`` more with
+    all ``1 + pairs`` at once (``batched``). XLA's compiled arguments, temporaries and outputs on
+    256 x 192 pixels measured ``n_lat (16.0 J^2 + 26.5 J + 18.8 pairs J)`` one at a time, and at
+    most ``60 n_lat J`` more in batches of 2 to ``1 + pairs`` (not monotone in the batch, so the
+    solves run one at a time or all at once); tests/test_example_field3d.py checks the bound."""
+    return n_lat * (16 * J * J + 40 * J + 20 * pairs * J + (64 * J if batched else 0))
+
+
+def solve_batch(n_lat: int, J: int, pairs: int) -> int:
+    """How many of the ``1 + pairs`` posterior solves :func:`solve_all` runs at once: all of them
+    where they fit ``POSTERIOR_BYTES`` together (a CG step on a batch reads each pixel's ``J x J``
+    matrix once for all of it: 4.1 s for five solves on 512 x 384 pixels at ``J = 19`` against 7.0 s
+    one at a time), else one."""
+    return 1 + pairs if posterior_bytes(n_lat, J, pairs, batched=True) <= POSTERIOR_BYTES else 1
 
 
 def posterior_grid(nx: int, ny: int, J: int, pairs: int) -> Grid:
-    """The finest latent grid whose posterior solves fit in ``POSTERIOR_BYTES`` (:func:`posterior_bytes`)."""
+    """The finest latent grid whose posterior solves, one at a time, fit in ``POSTERIOR_BYTES``
+    (:func:`posterior_bytes`)."""
     per = posterior_bytes(1, J, pairs)
     return grid_for(nx, ny, max(1, POSTERIOR_BYTES // per))
 
@@ -549,19 +563,21 @@ def pcg(H: Callable, M: Callable, dot: Callable, b: jax.Array, x0: jax.Array, it
     return x, k, jnp.sqrt(jnp.maximum(rz, 0.0) / n)
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "tol"))
-def solve_all(theta, data: Data, rad: Radial, noise, z0, iters: int, tol: float):
+@functools.partial(jax.jit, static_argnames=("iters", "tol", "batch"))
+def solve_all(theta, data: Data, rad: Radial, noise, z0, iters: int, tol: float, batch: int = 1):
     """The posterior mean (whitened, rfft2 coefficients) and one perturbation per draw of ``noise``, each
-    by PCG from ``z0`` (``(1 + n, J, nx, ny // 2 + 1)`` complex64); returns ``(z, steps, error
-    estimates, E)``, ``E`` the channels the ``z`` are in (:func:`rotation_of`). Call under
+    by PCG from ``z0`` (``(1 + n, J, nx, ny // 2 + 1)`` complex64), ``batch`` solves at a time
+    (:func:`solve_batch`; a batch takes as many steps as its slowest solve); returns ``(z, steps,
+    error estimates, E)``, ``E`` the channels the ``z`` are in (:func:`rotation_of`). Call under
     ``jax.enable_x64`` (``theta`` float64)."""
     prior = prior_of(theta, rad, data.grid)
     rotation = rotation_of(prior, data)
     S = System(data, prior, rad, rotation)
     solve = lambda b, x0: pcg(S.H, S.M, S.dot, b, x0, iters, tol)
-    mean = solve(S.rhs(), z0[0])  # alone: it takes the most steps
-    pert = jax.vmap(solve)(jax.vmap(S.perturbation)(noise), z0[1:])
-    return (*(jnp.concatenate([m[None], p]) for m, p in zip(mean, pert)), rotation[1])
+    b = jnp.concatenate([S.rhs()[None], jax.vmap(S.perturbation)(noise)])
+    # batch=1: each solve stops at its own tolerance and the memory holds one solve's vectors
+    # beside the right-hand sides (posterior_bytes)
+    return (*chunkop.vmap(solve, chunk_size=batch)(b, z0), rotation[1])
 
 
 def zeros(data: Data, n: int) -> jax.Array:
@@ -749,7 +765,8 @@ def _gradient(theta: np.ndarray, data: Data, rad: Radial, noise: tuple, z: jax.A
     """The log evidence's gradient at ``theta`` estimated with the posterior samples ``mean +- H^-1 noise``
     (:func:`hyper_grad`), the solves started from ``z``; returns ``(gradient, z, CG steps)``."""
     th = jnp.asarray(theta, jnp.float64)
-    z, k, _, E = solve_all(th, data, rad, noise, z, o["cg_iters"], o["tol"])
+    batch = solve_batch(data.grid.size, data.t.shape[-1], noise[0].shape[0])
+    z, k, _, E = solve_all(th, data, rad, noise, z, o["cg_iters"], o["tol"], batch)
     _, grad = hyper_grad(th, data, rad, jnp.concatenate([z[0] + z[1:], z[0] - z[1:]]), E)
     return np.asarray(grad, np.float64), z, int(jnp.max(k))
 
@@ -919,13 +936,16 @@ def posterior(
     prior = prior_of(th, rad, data.grid)
     noise = draw_noise(data, jax.random.key(seed), pairs)
     z0 = zeros(data, 1 + pairs)
+    jax.block_until_ready((data, noise, z0))  # (so the clocks below time the solves' compile and run alone)
     t0 = time.perf_counter()
-    solve = solve_all.lower(th, data, rad, noise, z0, iters=iters, tol=tol).compile()
+    batch = solve_batch(data.grid.size, data.t.shape[-1], pairs)
+    solve = solve_all.lower(th, data, rad, noise, z0, iters=iters, tol=tol, batch=batch).compile()
     t1 = time.perf_counter()
     z, k, rel, rot = jax.block_until_ready(solve(th, data, rad, noise, z0))
     seconds = {"compile_s": t1 - t0, "solve_s": time.perf_counter() - t1}
-    # the mean's solve, then the perturbations' (vmapped: together, as many steps as the slowest)
-    seconds["per_cg_step_s"] = seconds["solve_s"] / max(1, int(k[0]) + int(jnp.max(k[1:], initial=0)))
+    # a batch takes as many steps as its slowest solve
+    steps = int(jnp.max(k)) if batch > 1 else int(jnp.sum(k))
+    seconds["per_cg_step_s"] = seconds["solve_s"] / max(1, steps)
     zt = jnp.fft.irfft2(z * prior.sq.astype(jnp.float32), s=data.grid.shape)  # K^1/2 z
     zt = jnp.swapaxes(zt.reshape(1 + pairs, -1, data.grid.size), 1, 2)
     E = jax.scipy.linalg.solve_triangular(prior.L, (prior.sigma_r @ rad.V).T, lower=True).T  # Sigma_r V L^-T
@@ -949,7 +969,9 @@ def posterior(
         "prior_sd": np.sqrt(np.asarray(prior.k0 * jnp.diag(prior.sigma_r))),
         "mu": np.asarray(prior.mu),
         "cg_iterations": int(jnp.max(k)),
+        "cg_steps": int(jnp.sum(k)),
         "cg_error_sd": float(jnp.max(rel)),
+        "solve_batch": batch,
         "seconds": seconds,
     }
 
@@ -1140,6 +1162,12 @@ def reconstruct(
         post = posterior(theta, data, rad, np.stack([db, dib]), pairs=pairs)
         timing["posterior_s"] = time.perf_counter() - t1
         timing.update({f"posterior_{k}": v for k, v in post["seconds"].items()})
+    blocks = "every pixel" if post_grid.factor == 1 else f"blocks of {post_grid.factor} x {post_grid.factor} pixels"
+    how = "at once" if post["solve_batch"] > 1 else "one at a time"
+    log(
+        f"posterior on {post_grid.shape[0]} x {post_grid.shape[1]} latent pixels ({blocks}): {1 + pairs} solves "
+        f"{how}, CG <= {post['cg_iterations']} steps each"
+    )
     lat = post_grid.of_pixel(np.arange(cat.n_pix)) if post_grid.factor > 1 else slice(None)  # (no copy)
     lo, hi = np.array([b[0] for b in bounds]), np.array([b[1] for b in bounds])
     at_bound = [n for n, t, a, b in zip(NAMES, theta, lo, hi) if min(t - a, b - t) < 1e-3 * (b - a)]
@@ -1181,7 +1209,8 @@ def reconstruct(
             "singular_values_rel": [float(v) for v in sv[:8]],
             **trunc,
         },
-        "posterior": {"cg_iterations": post["cg_iterations"], "cg_error_sd": post["cg_error_sd"], "samples": samples},
+        "posterior": {k: post[k] for k in ("cg_iterations", "cg_steps", "cg_error_sd", "solve_batch")}
+        | {"samples": samples},
         "timings": timing,
     }
 
