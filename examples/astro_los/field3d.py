@@ -44,10 +44,9 @@ sharing one value) only where the posterior's solves would need more than ``POST
 (:func:`posterior_bytes`) and the hyperparameters' fit more than ``MAX_LEARN`` pixels (the users'
 1024 x 768 grid: the posterior on every pixel up to J = 19 radial vectors with 8 samples, its
 solves one at a time where they do not fit together, :func:`solve_batch`; the hyperparameters on
-147 x 110). Blocks cannot follow the sky inside
-them: with a few lines per pixel their errors stop covering the truth (3M lines, 4 x 4 blocks:
-41.5% of the columns within 2 sd, every pixel: 99.0%; 54M lines, 2 x 2 blocks: 33.7%, every
-pixel: 92.5%).
+147 x 110). Blocks cannot follow the sky inside them: with a few lines per pixel their errors stop
+covering the truth (3M lines, 4 x 4 blocks: 41.5% of the columns within 2 sd, every pixel: 99.0%;
+54M lines, 2 x 2 blocks: 33.7%, every pixel: 92.5%).
 """
 
 from __future__ import annotations
@@ -257,8 +256,8 @@ def posterior_bytes(n_lat: int, J: int, pairs: int, batched: bool = False) -> in
 def solve_batch(n_lat: int, J: int, pairs: int) -> int:
     """How many of the ``1 + pairs`` posterior solves :func:`solve_all` runs at once: all of them
     where they fit ``POSTERIOR_BYTES`` together (a CG step on a batch reads each pixel's ``J x J``
-    matrix once for all of it: 4.1 s for five solves on 512 x 384 pixels at ``J = 19`` against 7.0 s
-    one at a time), else one."""
+    matrix once for all of it: five solves on 512 x 384 pixels at ``J = 19`` took 4.8 s at once and
+    6.7 s one at a time on a 2-core CPU), else one."""
     return 1 + pairs if posterior_bytes(n_lat, J, pairs, batched=True) <= POSTERIOR_BYTES else 1
 
 
