@@ -315,31 +315,33 @@ def test_profile_vectors_hold_the_mean_profile_family_for_every_line():
     assert V2.shape == (40, 40) and g2.shape == (3000, 40)
 
 
+def _solve_inputs(grid, D: np.ndarray, t: np.ndarray, n_bins: int, pairs: int, rng) -> tuple:
+    """:func:`field3d.solve_all`'s arguments after ``theta`` (``data, rad, noise, z0``) for the
+    statistics ``D`` (``(n_lat, J, J)``), ``t`` (``(n_lat, J)``) on ``grid``, a random orthonormal
+    basis of ``n_bins`` bins; call under ``jax.enable_x64``."""
+    V = np.linalg.qr(rng.standard_normal((n_bins, D.shape[-1])))[0]
+    rad = field3d.Radial.of(los.bin_edges(n_bins), V)
+    data = field3d.Data(
+        D=jnp.asarray(D, jnp.float32),
+        t=jnp.asarray(t, jnp.float32),
+        yy=jnp.asarray(0.0),
+        log_norm=jnp.asarray(0.0),
+        grid=grid,
+    )
+    return data, rad, field3d.draw_noise(data, jax.random.key(0), pairs), field3d.zeros(data, 1 + pairs)
+
+
 @pytest.mark.parametrize("J, pairs", [(7, 4), (12, 1), (19, 4)])
 @pytest.mark.parametrize("batched", [False, True])
 def test_posterior_bytes_bounds_the_compiled_solves(J, pairs, batched):
     # the latent grid and the solves' batch are chosen by posterior_bytes: a bound on XLA's
     # compiled memory of the solves (arguments, temporaries, outputs), and not a loose one
     grid = field3d.Grid(40, 30, 1)
-    b = los.bin_edges(30)
-    V = np.linalg.qr(np.random.default_rng(0).standard_normal((30, J)))[0]
+    D, t = np.zeros((grid.size, J, J), np.float32), np.zeros((grid.size, J), np.float32)
     with jax.enable_x64(True):
-        rad = field3d.Radial.of(b, V)
-        data = field3d.Data(
-            D=jnp.zeros((grid.size, J, J), jnp.float32),
-            t=jnp.zeros((grid.size, J), jnp.float32),
-            yy=jnp.asarray(0.0),
-            log_norm=jnp.asarray(0.0),
-            grid=grid,
-        )
-        noise = field3d.draw_noise(data, jax.random.key(0), pairs)
-        z0 = field3d.zeros(data, 1 + pairs)
+        args = _solve_inputs(grid, D, t, 30, pairs, np.random.default_rng(0))
         batch = 1 + pairs if batched else 1
-        m = (
-            field3d.solve_all.lower(jnp.zeros(8), data, rad, noise, z0, iters=10, tol=0.01, batch=batch)
-            .compile()
-            .memory_analysis()
-        )
+        m = field3d.solve_all.lower(jnp.zeros(8), *args, iters=10, tol=0.01, batch=batch).compile().memory_analysis()
     used = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
     bound = field3d.posterior_bytes(grid.size, J, pairs, batched)
     assert used <= bound <= 1.6 * used
@@ -356,20 +358,10 @@ def test_the_posterior_grid_and_batch_follow_the_budget():
     rng = np.random.default_rng(1)
     grid = field3d.Grid(12, 8, 1)
     J, pairs = 5, 2
-    V = np.linalg.qr(rng.standard_normal((24, J)))[0]
     A = rng.standard_normal((grid.size, J, J)).astype(np.float32)
+    D, t = np.einsum("pij,pkj->pik", A, A), rng.standard_normal((grid.size, J)).astype(np.float32)
     with jax.enable_x64(True):
-        rad = field3d.Radial.of(los.bin_edges(24), V)
-        data = field3d.Data(
-            D=jnp.asarray(np.einsum("pij,pkj->pik", A, A)),
-            t=jnp.asarray(rng.standard_normal((grid.size, J)), jnp.float32),
-            yy=jnp.asarray(0.0),
-            log_norm=jnp.asarray(0.0),
-            grid=grid,
-        )
-        noise = field3d.draw_noise(data, jax.random.key(0), pairs)
-        z0 = field3d.zeros(data, 1 + pairs)
-        args = (jnp.asarray([0.0, 0.0, 0.0, -1.0, -1.0, 1.0, 0.7, 6.0]), data, rad, noise, z0)
+        args = (jnp.asarray([0.0, 0.0, 0.0, -1.0, -1.0, 1.0, 0.7, 6.0]), *_solve_inputs(grid, D, t, 24, pairs, rng))
         one = field3d.solve_all(*args, iters=200, tol=1e-6, batch=1)
         together = field3d.solve_all(*args, iters=200, tol=1e-6, batch=1 + pairs)
     np.testing.assert_allclose(

@@ -69,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from . import _jaxpr
+from . import _jaxpr, _sharding
 from ._tree import has_shape
 from ._tree import is_float as _is_float
 
@@ -461,7 +461,7 @@ def _nothing() -> None:
 def _shard() -> tuple[Any, int]:
     """This device's index over the manual mesh axes (inside ``shard_map``) and their size."""
     mesh = jax.sharding.get_abstract_mesh()
-    names = tuple(getattr(mesh, "manual_axes", ()) or ())
+    names = _sharding.manual_axes(mesh)
     if not names:
         return jnp.int32(0), 1
     auto = [a for a in mesh.axis_names if a not in names]

@@ -66,14 +66,18 @@ def _sharding_of(x: Any) -> NamedSharding | None:
     return s if isinstance(s, NamedSharding) else None
 
 
+def manual_axes(mesh: Any) -> tuple:
+    """The mesh axes that are manual (inside ``shard_map``); none on meshes without the notion."""
+    return tuple(getattr(mesh, "manual_axes", ()) or ())
+
+
 def _names_at(s: NamedSharding, axis: int) -> tuple:
     spec = tuple(s.spec)
     entry = spec[axis] if axis < len(spec) else None
     if entry is None:
         return ()
     names = entry if isinstance(entry, tuple) else (entry,)
-    manual = set(getattr(s.mesh, "manual_axes", ()) or ())
-    return tuple(a for a in names if a not in manual)
+    return tuple(a for a in names if a not in manual_axes(s.mesh))
 
 
 def mapped_mesh_axes(
@@ -139,8 +143,7 @@ def _named_axes(leaves: Sequence[Any], axes: Sequence[int | None], spmd_axis_nam
             return None
         mesh = meshes[0]
     names = tuple(spmd_axis_name) if isinstance(spmd_axis_name, (tuple, list)) else (spmd_axis_name,)
-    manual = set(getattr(mesh, "manual_axes", ()) or ())
-    if not all(a in mesh.axis_names and a not in manual for a in names):
+    if not all(a in mesh.axis_names and a not in manual_axes(mesh) for a in names):
         return None
     found = MeshAxes(mesh, names)
     x, a = mapped[0]
