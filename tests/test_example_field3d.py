@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import scipy.optimize
 from scipy.special import erfc
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
@@ -86,14 +87,16 @@ def test_catalog_response_entry(tmp_path):
 
 def _dense_posterior(cat, theta: np.ndarray, grid_shape: tuple, fns: np.ndarray):
     """The model's posterior in float64, densely: ``sky = mu + f``, ``f ~ N(0, K_xy (x) Sigma_r)``."""
-    a, b, c, log_amp, log_amp0, log_ell, log_slope, log_ell_r = theta
+    a, b, c, log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2 = theta
     edges = cat.edges
     r, db = np.sqrt(edges[:-1] * edges[1:]), np.diff(edges)
     t = (2 * r - edges[0] - edges[-1]) / (edges[-1] - edges[0])  # the distance on [-1, 1]
     shape = b * t + c * t**2
     mu = np.exp(a + shape) / (np.sum(db * np.exp(shape)) / np.sum(db))
     sig = np.exp(log_amp) * mu
-    Sr = sig[:, None] * np.exp(-np.abs(r[:, None] - r[None, :]) / np.exp(log_ell_r)) * sig[None, :]
+    dr = np.abs(r[:, None] - r[None, :])
+    corr = (np.exp(-dr / np.exp(log_ell_r)) + q2 * np.exp(-dr / field3d.SHORT_PC)) / (1 + q2)
+    Sr = sig[:, None] * corr * sig[None, :]
     nx, ny = grid_shape
     n = nx * ny
     k2 = np.fft.fftfreq(nx)[:, None] ** 2 + np.fft.fftfreq(ny)[None, :] ** 2
@@ -126,7 +129,7 @@ def test_posterior_matches_dense_gaussian():
     nx, ny, nb, n = 4, 3, 12, 400
     edges = los.bin_edges(nb)
     pix, d, s = los.draw_stars(n, nx * ny, rng)
-    theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0)])
+    theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0), 0.5])
     W = _standard_reference(d, s, edges)
     sky0 = np.exp(-1.0) * np.exp(0.3 * rng.standard_normal((nx * ny, nb)))
     y0 = np.sum(W * sky0[pix], 1)
@@ -452,6 +455,73 @@ def test_bounded_newton_step():
     step = field3d._bounded_newton_step(H, 0.01 * g)
     np.testing.assert_allclose(Q.T @ step, (Q.T @ (0.01 * g)) / np.array([2.0, 1.0, 5.0, 3.0]), rtol=1e-10)
     assert step @ g > 0
+
+
+def test_projected_step_holds_the_coordinates_pushed_out_of_the_box():
+    # a concave quadratic whose optimum lies outside the box in the first coordinate: the step holds
+    # that coordinate and is Newton's on the other, given the first at its bound
+    H = -np.array([[1.0, 0.95], [0.95, 1.0]])
+    m = np.array([-1.0, 2.0])
+    x, lo, hi = np.array([0.0, 1.8]), np.array([0.0, -10.0]), np.array([10.0, 10.0])
+    g = H @ (x - m)
+    assert g[0] < 0  # (pushing out through the lower bound)
+    step = field3d._projected_step(H, g, x, lo, hi)
+    assert step[0] == 0.0
+    assert x[1] + step[1] == pytest.approx(m[1] - 0.95 * (x[0] - m[0]), rel=1e-9)  # (0.75 < bound 1)
+    # inside the box, or pushed inwards at a bound, every coordinate moves as in the unconstrained step
+    for x in (np.array([0.5, 0.3]), np.array([0.0, 0.0])):
+        g = H @ (x - m)
+        full = field3d._bounded_newton_step(H, g)
+        held = field3d._projected_step(H, g, x, lo, hi)
+        if x[0] == 0.0:
+            assert g[0] > 0
+        np.testing.assert_allclose(held, full, rtol=1e-12)
+
+
+def test_pixel_evidence_fit_reaches_the_box_constrained_optimum(monkeypatch):
+    # the fit over PIXEL_FREE with the evidence replaced by a concave function whose optimum lies
+    # beyond q2's bound 0: it ends where L-BFGS-B does (clipping the whole Newton step instead of
+    # holding q2 stopped short: 23 nats below the optimum on steep_profile)
+    free = field3d.PIXEL_FREE
+    idx = np.array([field3d.NAMES.index(n) for n in free])
+    rng = np.random.default_rng(3)
+    Q = np.linalg.qr(rng.standard_normal((idx.size, idx.size)))[0]
+    A = Q @ np.diag([1e4, 3e3, 1e3, 50.0, 5.0, 1.0]) @ Q.T
+    m = 0.5 * rng.standard_normal(idx.size)
+    m[free.index("q2")] = -0.4
+    bounds = [(-5.0, 5.0)] * len(field3d.NAMES)
+    bounds[field3d.NAMES.index("q2")] = (0.0, 10.0)
+
+    def toy(theta, data, rad):
+        d = theta[idx] - m
+        return -0.5 * d @ (jnp.asarray(A) @ d)
+
+    monkeypatch.setattr(field3d, "pixelwise_evidence", toy)
+    theta0 = np.zeros(len(field3d.NAMES))
+    theta0[field3d.NAMES.index("q2")] = 0.1
+    with jax.enable_x64(True):
+        got = field3d._pixel_evidence_fit(None, None, theta0, bounds, free, log=lambda *_: None)[idx]
+    ref = scipy.optimize.minimize(
+        lambda x: 0.5 * (x - m) @ A @ (x - m),
+        theta0[idx],
+        jac=lambda x: A @ (x - m),
+        method="L-BFGS-B",
+        bounds=[bounds[i] for i in idx],
+        options={"ftol": 1e-15, "gtol": 1e-12},
+    ).x
+    assert got[free.index("q2")] == 0.0
+    np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+def test_q2_at_zero_is_not_a_bound_warning():
+    # q2 = 0 is the model without the short radial component; at its upper bound it is reported
+    bounds = [(-1.0, 1.0)] * len(field3d.NAMES)
+    bounds[field3d.NAMES.index("q2")] = (0.0, 10.0)
+    theta = np.zeros(len(field3d.NAMES))
+    assert field3d.at_bounds(theta, bounds) == []
+    theta[field3d.NAMES.index("q2")] = 10.0
+    theta[field3d.NAMES.index("a")] = -1.0
+    assert field3d.at_bounds(theta, bounds) == ["a", "q2"]
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
