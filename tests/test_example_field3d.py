@@ -85,29 +85,42 @@ def test_catalog_response_entry(tmp_path):
         catalog.validate_catalog({**kw, "s": [10.0, 0.0]})
 
 
-def _dense_posterior(cat, theta: np.ndarray, grid_shape: tuple, fns: np.ndarray):
-    """The model's posterior in float64, densely: ``sky = mu + f``, ``f ~ N(0, K_xy (x) Sigma_r)``."""
+def _dense_prior(edges: np.ndarray, theta: np.ndarray, grid_shape: tuple, plane: bool = True):
+    """The model's prior in float64, densely: ``mu`` (``n_bins``) and the covariance of ``f`` over
+    (pixel, bin), ``K_xy (x) Sigma_r`` on the non-zero plane-of-sky modes plus the sky-wide mode
+    ``(amp0 / amp)^2 11^T (x) Sigma_r0`` (``Sigma_r0``: the long radial correlation alone); with
+    ``plane=False`` the pixels independent but for the sky-wide mode (``pixelwise_evidence``'s model)."""
     a, b, c, log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2 = theta
-    edges = cat.edges
     r, db = np.sqrt(edges[:-1] * edges[1:]), np.diff(edges)
     t = (2 * r - edges[0] - edges[-1]) / (edges[-1] - edges[0])  # the distance on [-1, 1]
     shape = b * t + c * t**2
     mu = np.exp(a + shape) / (np.sum(db * np.exp(shape)) / np.sum(db))
     sig = np.exp(log_amp) * mu
     dr = np.abs(r[:, None] - r[None, :])
-    corr = (np.exp(-dr / np.exp(log_ell_r)) + q2 * np.exp(-dr / field3d.SHORT_PC)) / (1 + q2)
-    Sr = sig[:, None] * corr * sig[None, :]
+    long = np.exp(-dr / np.exp(log_ell_r))
+    Sr = sig[:, None] * (long + q2 * np.exp(-dr / field3d.SHORT_PC)) / (1 + q2) * sig[None, :]
+    Sr0 = sig[:, None] * long * sig[None, :]
     nx, ny = grid_shape
     n = nx * ny
-    k2 = np.fft.fftfreq(nx)[:, None] ** 2 + np.fft.fftfreq(ny)[None, :] ** 2
-    raw = (1 + (2 * np.pi * np.exp(log_ell)) ** 2 * k2) ** -np.exp(log_slope)
-    raw[0, 0] = 0.0
-    power = raw / (raw.sum() / n)  # unit pointwise variance of the non-zero modes
-    power[0, 0] = n * np.exp(2 * (log_amp0 - log_amp))
-    kfun = np.real(np.fft.ifft2(power))  # the covariance as a function of the (periodic) displacement
-    ix, iy = np.divmod(np.arange(n), ny)
-    Kxy = kfun[(ix[:, None] - ix[None, :]) % nx, (iy[:, None] - iy[None, :]) % ny]
-    Cf = np.kron(Kxy, Sr)
+    if plane:
+        k2 = np.fft.fftfreq(nx)[:, None] ** 2 + np.fft.fftfreq(ny)[None, :] ** 2
+        raw = (1 + (2 * np.pi * np.exp(log_ell)) ** 2 * k2) ** -np.exp(log_slope)
+        raw[0, 0] = 0.0
+        power = raw / (raw.sum() / n)  # unit pointwise variance of the non-zero modes
+        kfun = np.real(np.fft.ifft2(power))  # the covariance as a function of the (periodic) displacement
+        ix, iy = np.divmod(np.arange(n), ny)
+        Kxy = kfun[(ix[:, None] - ix[None, :]) % nx, (iy[:, None] - iy[None, :]) % ny]
+    else:
+        Kxy = np.eye(n)
+    return mu, np.kron(Kxy, Sr) + np.exp(2 * (log_amp0 - log_amp)) * np.kron(np.ones((n, n)), Sr0)
+
+
+def _dense_posterior(cat, theta: np.ndarray, grid_shape: tuple, fns: np.ndarray):
+    """The model's posterior in float64, densely (:func:`_dense_prior`)."""
+    edges = cat.edges
+    r = np.sqrt(edges[:-1] * edges[1:])
+    n = grid_shape[0] * grid_shape[1]
+    mu, Cf = _dense_prior(edges, theta, grid_shape)
     W = _standard_reference(cat.d, cat.s, edges)
     A = np.zeros((cat.n_los, n * len(r)))
     for k in range(len(r)):
@@ -147,12 +160,46 @@ def test_posterior_matches_dense_gaussian():
         post = field3d.posterior(theta, data, rad, fns, pairs=256, tol=1e-4)
     scale = np.abs(mean_ref).max()
     np.testing.assert_allclose(post["mean"], mean_ref, rtol=0, atol=2e-3 * scale)
+    np.testing.assert_allclose(post["prior_sd"] ** 2, np.diag(_dense_prior(edges, theta, (nx, ny))[1])[:nb], rtol=1e-9)
     # sd from 256 mirrored pairs (a ~4.4% sampling error each: 4 of those) plus the analytic unseen
     # part; unbiased on average (measured: mean ratios 0.990 and 1.007)
     np.testing.assert_allclose(post["std"], std_ref, rtol=0.18)
     np.testing.assert_allclose(post["fstd"], fsd_ref, rtol=0.18)
     assert abs(np.mean(post["std"] / std_ref) - 1) < 0.03
     assert abs(np.mean(post["fstd"] / fsd_ref) - 1) < 0.03
+
+
+def test_pixelwise_evidence_matches_dense_gaussian():
+    # the exact log evidence of the model without plane-of-sky correlation (independent pixels and the
+    # sky-wide mode, its own radial correlation) from the per-pixel statistics: that of the dense
+    # Gaussian y ~ N(A mu, A C A^T + N), all radial vectors kept
+    rng = np.random.default_rng(11)
+    nx, ny, nb, n = 3, 2, 10, 150
+    edges = los.bin_edges(nb)
+    pix, d, s = los.draw_stars(n, nx * ny, rng)
+    W = _standard_reference(d, s, edges)
+    y0 = np.sum(W * (0.4 * np.exp(0.3 * rng.standard_normal((nx * ny, nb))))[pix], 1)
+    sigma = np.full(n, 0.05 * np.sqrt(np.mean(y0**2)))
+    y = y0 + sigma * rng.standard_normal(n)
+    cat = catalog.validate_catalog(dict(pix=pix, d=d, s=s, y=y, sigma=sigma, nx=nx, ny=ny, edges=edges))
+    A = np.zeros((n, nx * ny * nb))
+    for k in range(nb):
+        A[np.arange(n), pix * nb + k] = W[:, k]
+    V, _ = field3d.radial_basis(cat, "standard")
+    g, _, _ = field3d.compress_lines(cat, V, "standard")
+    for q2 in (0.0, 0.8):
+        theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(1.2), np.log(1.5), np.log(1.5), np.log(300.0), q2])
+        mu, Cf = _dense_prior(edges, theta, (nx, ny), plane=False)
+        S = A @ Cf @ A.T + np.diag(sigma**2)
+        res = y - A @ np.tile(mu, nx * ny)
+        ref = -0.5 * (res @ np.linalg.solve(S, res) + np.linalg.slogdet(S)[1] + n * np.log(2 * np.pi))
+        with jax.enable_x64(True):
+            rad = field3d.Radial.of(edges, V)
+            data = field3d.data_on(cat, g, field3d.grid_for(nx, ny, 10**6))
+            got = float(field3d.pixelwise_evidence(jnp.asarray(theta), data, rad) - field3d.hyperprior(theta))
+        # (float32 sums of the statistics: 1e-3 measured; the sky-wide mode given the short component
+        # too is 0.09 off at q2 = 0.8)
+        assert got == pytest.approx(ref, abs=0.01), q2
 
 
 @pytest.fixture(scope="module")
@@ -344,7 +391,11 @@ def test_posterior_bytes_bounds_the_compiled_solves(J, pairs, batched):
     with jax.enable_x64(True):
         args = _solve_inputs(grid, D, t, 30, pairs, np.random.default_rng(0))
         batch = 1 + pairs if batched else 1
-        m = field3d.solve_all.lower(jnp.zeros(8), *args, iters=10, tol=0.01, batch=batch).compile().memory_analysis()
+        m = (
+            field3d.solve_all.lower(jnp.zeros(len(field3d.NAMES)), *args, iters=10, tol=0.01, batch=batch)
+            .compile()
+            .memory_analysis()
+        )
     used = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
     bound = field3d.posterior_bytes(grid.size, J, pairs, batched)
     assert used <= bound <= 1.6 * used
@@ -352,10 +403,11 @@ def test_posterior_bytes_bounds_the_compiled_solves(J, pairs, batched):
 
 def test_the_posterior_grid_and_batch_follow_the_budget():
     # every pixel when the solves fit one at a time; all at once where they fit together
-    assert field3d.posterior_grid(1024, 768, 19, 4).factor == 1  # the users' grid at 54M lines: 5.9 GiB
-    assert field3d.solve_batch(1024 * 768, 19, 4) == 1  # together: 6.8 GiB
-    assert field3d.solve_batch(1024 * 768, 13, 4) == 5  # the seed's 132400 lines: 3.7 GiB
-    grid = field3d.posterior_grid(1024, 768, 32, 4)  # 14.8 GiB on every pixel
+    assert field3d.posterior_grid(1024, 768, 19, 4).factor == 1  # the users' grid at 54M lines: 3.5 GiB
+    assert field3d.solve_batch(1024 * 768, 19, 4) == 5  # together: 5.0 GiB
+    assert field3d.posterior_grid(1024, 768, 24, 4).factor == 1  # 4.7 GiB ...
+    assert field3d.solve_batch(1024 * 768, 24, 4) == 1  # ... but together 6.7 GiB
+    grid = field3d.posterior_grid(1024, 768, 32, 4)  # 7.0 GiB on every pixel
     assert grid.factor == 2 and field3d.posterior_bytes(grid.size, 32, 4) <= field3d.POSTERIOR_BYTES
     # the batch changes the steps' order, not the answer
     rng = np.random.default_rng(1)
@@ -364,7 +416,10 @@ def test_the_posterior_grid_and_batch_follow_the_budget():
     A = rng.standard_normal((grid.size, J, J)).astype(np.float32)
     D, t = np.einsum("pij,pkj->pik", A, A), rng.standard_normal((grid.size, J)).astype(np.float32)
     with jax.enable_x64(True):
-        args = (jnp.asarray([0.0, 0.0, 0.0, -1.0, -1.0, 1.0, 0.7, 6.0]), *_solve_inputs(grid, D, t, 24, pairs, rng))
+        args = (
+            jnp.asarray([0.0, 0.0, 0.0, -1.0, -1.0, 1.0, 0.7, 6.0, 0.5]),
+            *_solve_inputs(grid, D, t, 24, pairs, rng),
+        )
         one = field3d.solve_all(*args, iters=200, tol=1e-6, batch=1)
         together = field3d.solve_all(*args, iters=200, tol=1e-6, batch=1 + pairs)
     np.testing.assert_allclose(

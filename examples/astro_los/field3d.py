@@ -44,9 +44,9 @@ unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)``, added to every sample's 
 The latent plane-of-sky grid is the catalog's, coarsened (blocks of ``factor x factor`` pixels
 sharing one value) only where the posterior's solves would need more than ``POSTERIOR_BYTES``
 (:func:`posterior_bytes`) and the hyperparameters' fit more than ``MAX_LEARN`` pixels (the users'
-1024 x 768 grid: the posterior on every pixel up to J = 19 radial vectors with 8 samples, its
-solves one at a time where they do not fit together, :func:`solve_batch`; the hyperparameters on
-147 x 110). Blocks cannot follow the sky inside them: with a few lines per pixel their errors stop
+1024 x 768 grid: the posterior on every pixel up to J = 28 radial vectors with 8 samples, its
+solves all at once up to J = 22 and one at a time beyond, :func:`solve_batch`; the hyperparameters
+on 147 x 110). Blocks cannot follow the sky inside them: with a few lines per pixel their errors stop
 covering the truth (3M lines, 4 x 4 blocks: 41.5% of the columns within 2 sd, every pixel: 99.0%;
 54M lines, 2 x 2 blocks: 33.7%, every pixel: 92.5%).
 """
@@ -247,13 +247,14 @@ def grid_for(nx: int, ny: int, max_pixels: int) -> Grid:
 
 def posterior_bytes(n_lat: int, J: int, pairs: int, batched: bool = False) -> int:
     """A bound on the memory of :func:`solve_all` on ``n_lat`` latent pixels with ``J`` radial vectors
-    and ``pairs`` mirrored sample pairs: ``n_lat (16 J^2 + 40 J + 20 pairs J)`` bytes with the solves
-    one at a time (a pair adds only its right-hand sides and solutions), ``64 n_lat J`` more with
-    all ``1 + pairs`` at once (``batched``). XLA's compiled arguments, temporaries and outputs on
-    256 x 192 pixels measured ``n_lat (16.0 J^2 + 26.5 J + 18.8 pairs J)`` one at a time, and at
-    most ``60 n_lat J`` more in batches of 2 to ``1 + pairs`` (not monotone in the batch, so the
-    solves run one at a time or all at once); tests/test_example_field3d.py checks the bound."""
-    return n_lat * (16 * J * J + 40 * J + 20 * pairs * J + (64 * J if batched else 0))
+    and ``pairs`` mirrored sample pairs: ``n_lat (4 J^2 + 60 J + 28 pairs J)`` bytes with the solves
+    one at a time (a pair adds only its right-hand sides and solutions), ``28 n_lat pairs J`` more with
+    all ``1 + pairs`` at once (``batched``). XLA's compiled arguments, temporaries and outputs measured
+    ``n_lat (4 J^2 + 75 J + 24 pairs J)`` one at a time and ``n_lat (4 J^2 + 48 J + 48 pairs J)`` all
+    at once on 40 x 30 pixels, a little less on 256 x 192 (``J = 19``, 4 pairs: 4058 and 5843 bytes a
+    pixel; with the products ``L^T D_p L`` held beside ``D_p``, before the sky-wide mode had its own
+    radial correlation, 7696 one at a time); tests/test_example_field3d.py checks the bound."""
+    return n_lat * (4 * J * J + 60 * J + 28 * pairs * J + (28 * pairs * J if batched else 0))
 
 
 def solve_batch(n_lat: int, J: int, pairs: int) -> int:
@@ -425,14 +426,24 @@ def sqrt_power(shape: tuple[int, int], ell: Any, slope: Any, zero_ratio: Any) ->
 
 @dataclasses.dataclass(frozen=True)
 class Prior:
-    """``theta``'s prior on the latent grid: ``mu`` (``n_bins``), ``Sigma_r`` (``n_bins x n_bins``),
-    ``L`` (``J x J``, ``L L^T = V^T Sigma_r V``) and the square root of the plane-of-sky power."""
+    """``theta``'s prior on the latent grid: ``mu`` (``n_bins``), the per-pixel field's ``Sigma_r``
+    (``n_bins x n_bins``) and ``L`` (``J x J``, ``L L^T = V^T Sigma_r V``), the sky-wide mode's
+    ``Sigma_r0`` and ``L0`` (the long radial correlation alone: the short one is a pixel's own, not
+    the sky's; shared, it let the fit at 54M lines trade the field's sd for the sky-wide mode's), and
+    the square root of the plane-of-sky power (its zero mode: the sky-wide mode's)."""
 
     mu: jax.Array
     sigma_r: jax.Array
     L: jax.Array
+    sigma_r0: jax.Array
+    L0: jax.Array
     sq: jax.Array
-    k0: jax.Array  # the plane-of-sky correlation's diagonal, 1 + (amp0 / amp)^2
+    k0: jax.Array  # 1 + (amp0 / amp)^2
+
+    @property
+    def variance(self) -> jax.Array:
+        """The prior covariance of one pixel's bins (``n_bins x n_bins``): the field's plus the sky-wide mode's."""
+        return self.sigma_r + (self.k0 - 1.0) * self.sigma_r0
 
 
 def prior_of(theta: Any, rad: Radial, grid: Grid) -> Prior:
@@ -441,12 +452,17 @@ def prior_of(theta: Any, rad: Radial, grid: Grid) -> Prior:
     amp, amp0 = jnp.exp(theta[3]), jnp.exp(theta[4])
     sig = amp * mu
     sigma_r = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7]), theta[8]) * sig[None, :]
-    C = rad.V.T @ sigma_r @ rad.V
-    jitter = 1e-9 * jnp.trace(C) / C.shape[0]
-    L = jnp.linalg.cholesky(C + jitter * jnp.eye(C.shape[0]))
+    sigma_r0 = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7])) * sig[None, :]
+
+    def chol(S: jax.Array) -> jax.Array:
+        C = rad.V.T @ S @ rad.V
+        return jnp.linalg.cholesky(C + 1e-9 * jnp.trace(C) / C.shape[0] * jnp.eye(C.shape[0]))
+
     zero_ratio = amp0 / amp
     sq = sqrt_power(grid.shape, jnp.exp(theta[5]) / grid.factor, jnp.exp(theta[6]), zero_ratio)
-    return Prior(mu=mu, sigma_r=sigma_r, L=L, sq=sq, k0=1.0 + zero_ratio**2)
+    return Prior(
+        mu=mu, sigma_r=sigma_r, L=chol(sigma_r), sigma_r0=sigma_r0, L0=chol(sigma_r0), sq=sq, k0=1.0 + zero_ratio**2
+    )
 
 
 def hyperprior(theta: Any) -> jax.Array:
@@ -479,12 +495,26 @@ def _multiplicity(shape: tuple[int, int]) -> np.ndarray:
     return mult
 
 
-def rotation_of(prior: Prior, data: Data) -> tuple[jax.Array, jax.Array]:
-    """``(lambda, E)``: the eigen-decomposition of ``L^T mean(D) L``; ``E`` are the channels
-    :class:`System` solves in. Computed once per solve and handed on (:func:`solve_all` returns it):
-    where eigenvalues are (nearly) degenerate, two ``eigh`` calls may return different bases."""
-    Dbar = prior.L.T @ jnp.mean(data.D, axis=0).astype(prior.L.dtype) @ prior.L
-    return jnp.linalg.eigh(0.5 * (Dbar + Dbar.T))
+def rotation_of(prior: Prior, data: Data) -> tuple[tuple[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]:
+    """``((lambda, E), (lambda0, E0))``: the eigen-decompositions of ``L^T mean(D) L`` and ``L0^T
+    mean(D) L0``; ``E`` are the channels :class:`System` solves the non-zero plane-of-sky modes in,
+    ``E0`` the sky-wide mode's. Computed once per solve and handed on (:func:`solve_all` returns
+    ``(E, E0)``): where eigenvalues are (nearly) degenerate, two ``eigh`` calls may return different bases."""
+    Dm = jnp.mean(data.D, axis=0).astype(prior.L.dtype)
+
+    def eig(L: jax.Array) -> tuple[jax.Array, jax.Array]:
+        M = L.T @ Dm @ L
+        return jnp.linalg.eigh(0.5 * (M + M.T))
+
+    return eig(prior.L), eig(prior.L0)
+
+
+def _to_u(L: jax.Array, L0: jax.Array, sq: jax.Array, zh: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """``u = V^T f`` per latent pixel (``(..., J, nx, ny)``) of whitened rfft2 coefficients ``zh``: the
+    non-zero modes through ``L``, the zero mode (the sky-wide field, the same at every pixel) through ``L0``."""
+    x = jnp.fft.irfft2((zh * sq).at[..., 0, 0].set(0.0), s=shape)
+    c = jnp.einsum("ij,...j->...i", L0, zh[..., 0, 0].real * sq[0, 0]) / (shape[0] * shape[1])
+    return _mix(L, x) + c[..., None, None]
 
 
 class System:
@@ -495,33 +525,33 @@ class System:
     FFTs and one ``J x J`` product per pixel (``W_p = (L E)^T D_p L E``), and the preconditioner (the
     exact ``H^-1`` for the mean ``D``, ``1 / (1 + P(k) lambda_j)``) a diagonal."""
 
-    def __init__(self, data: Data, prior: Prior, rad: Radial, rotation: tuple[jax.Array, jax.Array]):
+    def __init__(self, data: Data, prior: Prior, rad: Radial, rotation: tuple):
         self.data, self.shape = data, data.grid.shape
-        L = prior.L
-        lam, E = rotation
-        self.L = jnp.asarray(L @ E, jnp.float32)  # u = L E z
+        (lam, E), (lam0, E0) = rotation
+        self.L = jnp.asarray(prior.L @ E, jnp.float32)  # u = L E z (the non-zero modes)
+        self.L0 = jnp.asarray(prior.L0 @ E0, jnp.float32)  # ... and L0 E0 z_0 (the sky-wide mode)
         self.sq = jnp.asarray(prior.sq, jnp.float32)
         self.mu_v = jnp.asarray(rad.V.T @ prior.mu, jnp.float32)  # V^T mu
-        self.W = jnp.einsum("ji,pjk,kl->ilp", self.L, data.D, self.L)  # (J, J, n_lat)
-        self.inv = jnp.asarray(1.0 / (1.0 + self.sq[None] ** 2 * jnp.maximum(lam, 0.0)[:, None, None]), jnp.float32)
+        inv = 1.0 / (1.0 + self.sq[None] ** 2 * jnp.maximum(lam, 0.0)[:, None, None])
+        inv0 = 1.0 / (1.0 + self.sq[0, 0] ** 2 * jnp.maximum(lam0, 0.0))
+        self.inv = jnp.asarray(inv.at[:, 0, 0].set(inv0), jnp.float32)
         self.w = jnp.asarray(_multiplicity(self.shape) / (self.shape[0] * self.shape[1]), jnp.float32)
 
     def dot(self, a: jax.Array, b: jax.Array) -> jax.Array:
         return jnp.sum(self.w * (a.real * b.real + a.imag * b.imag))
 
     def to_u(self, zh: jax.Array) -> jax.Array:
-        """``u = (K^1/2 (x) L E) z``: the data-seen field ``V^T f`` per latent pixel, ``(J, nx, ny)`` real."""
-        return _mix(self.L, jnp.fft.irfft2(zh * self.sq, s=self.shape))
+        """``u = (K^1/2 (x) L E) z`` (the zero mode through ``L0 E0``): the data-seen field ``V^T f`` per
+        latent pixel, ``(J, nx, ny)`` real."""
+        return _to_u(self.L, self.L0, self.sq, zh, self.shape)
 
     def from_u(self, v: jax.Array) -> jax.Array:
         """The transpose of :meth:`to_u` (rfft2 coefficients)."""
-        return jnp.fft.rfft2(_mix(self.L.T, v)) * self.sq
+        out = jnp.fft.rfft2(_mix(self.L.T, v)) * self.sq
+        return out.at[:, 0, 0].set(self.sq[0, 0] * (self.L0.T @ jnp.sum(v, (1, 2))))
 
     def H(self, zh: jax.Array) -> jax.Array:
-        x = jnp.fft.irfft2(zh * self.sq, s=self.shape)
-        J, nx, ny = x.shape
-        wx = jnp.einsum("ijp,jp->ip", self.W, x.reshape(J, nx * ny)).reshape(J, nx, ny)
-        return zh + jnp.fft.rfft2(wx) * self.sq
+        return zh + self.from_u(_dmul(self.data.D, self.to_u(zh)))
 
     def M(self, zh: jax.Array) -> jax.Array:
         return self.inv * zh
@@ -586,7 +616,7 @@ def solve_all(theta, data: Data, rad: Radial, noise, z0, iters: int, tol: float,
     """The posterior mean (whitened, rfft2 coefficients) and one perturbation per draw of ``noise``, each
     by PCG from ``z0`` (``(1 + n, J, nx, ny // 2 + 1)`` complex64), ``batch`` solves at a time
     (:func:`solve_batch`; a batch takes as many steps as its slowest solve); returns ``(z, steps,
-    error estimates, E)``, ``E`` the channels the ``z`` are in (:func:`rotation_of`). Call under
+    error estimates, (E, E0))``, the channels the ``z`` are in (:func:`rotation_of`). Call under
     ``jax.enable_x64`` (``theta`` float64)."""
     prior = prior_of(theta, rad, data.grid)
     rotation = rotation_of(prior, data)
@@ -595,7 +625,7 @@ def solve_all(theta, data: Data, rad: Radial, noise, z0, iters: int, tol: float,
     b = jnp.concatenate([S.rhs()[None], jax.vmap(S.perturbation)(noise)])
     # batch=1: each solve stops at its own tolerance and the memory holds one solve's vectors
     # beside the right-hand sides (posterior_bytes)
-    return (*chunkop.vmap(solve, chunk_size=batch)(b, z0), rotation[1])
+    return (*chunkop.vmap(solve, chunk_size=batch)(b, z0), (rotation[0][1], rotation[1][1]))
 
 
 def zeros(data: Data, n: int) -> jax.Array:
@@ -604,18 +634,21 @@ def zeros(data: Data, n: int) -> jax.Array:
     return jnp.zeros((n, data.t.shape[-1], nx, ny // 2 + 1), jnp.complex64)
 
 
-def log_likelihood(theta: Any, data: Data, rad: Radial, zs: jax.Array, rotation: jax.Array) -> jax.Array:
+def log_likelihood(theta: Any, data: Data, rad: Radial, zs: jax.Array, rotation: tuple) -> jax.Array:
     """``mean_s log p(y | z_s, theta)`` up to a constant, for whitened fields ``zs`` (rfft2 coefficients,
     ``(S, J, nx, ny // 2 + 1)``), from the per-pixel statistics: ``-1/2 sum_p (v_p^T D_p v_p - 2 t_p .
-    v_p)``, ``v_p = V^T mu + u_p``, ``u = (K^1/2 (x) L E) z`` with ``E = rotation`` held fixed (the
-    channels the samples were solved in, returned by :func:`solve_all`)."""
+    v_p)``, ``v_p = V^T mu + u_p``, ``u = (K^1/2 (x) L E) z`` (the zero mode through ``L0 E0``) with
+    ``(E, E0) = rotation`` held fixed (the channels the samples were solved in, returned by
+    :func:`solve_all`)."""
     prior = prior_of(theta, rad, data.grid)
     mu_v = rad.V.T @ prior.mu
-    L, sq = (prior.L @ jax.lax.stop_gradient(rotation)).astype(jnp.float32), prior.sq.astype(jnp.float32)
+    E, E0 = (jax.lax.stop_gradient(e) for e in rotation)
+    L, L0 = (prior.L @ E).astype(jnp.float32), (prior.L0 @ E0).astype(jnp.float32)
+    sq = prior.sq.astype(jnp.float32)
     J = L.shape[0]
 
     def one(z):
-        v = _mix(L, jnp.fft.irfft2(z * sq, s=data.grid.shape)).reshape(J, -1).T + mu_v.astype(jnp.float32)
+        v = _to_u(L, L0, sq, z, data.grid.shape).reshape(J, -1).T + mu_v.astype(jnp.float32)
         Dv = jnp.einsum("pij,pj->pi", data.D, v)
         return -0.5 * (jnp.sum(v * Dv) - 2.0 * jnp.sum(data.t * v))
 
@@ -623,11 +656,11 @@ def log_likelihood(theta: Any, data: Data, rad: Radial, zs: jax.Array, rotation:
 
 
 @jax.jit
-def hyper_grad(theta, data: Data, rad: Radial, zs: jax.Array, E: jax.Array):
+def hyper_grad(theta, data: Data, rad: Radial, zs: jax.Array, rotation: tuple):
     """``log p(y | z_s, theta) + log hyperprior`` averaged over the samples ``zs``, and its gradient in
     ``theta``: the log evidence's gradient when ``zs`` are posterior samples (Fisher's identity; the
-    samples' channels ``E``, those :func:`solve_all` solved them in at ``theta``, held fixed)."""
-    return jax.value_and_grad(lambda th: log_likelihood(th, data, rad, zs, E) + hyperprior(th))(theta)
+    samples' channels ``rotation = (E, E0)``, those :func:`solve_all` solved them in at ``theta``, held fixed)."""
+    return jax.value_and_grad(lambda th: log_likelihood(th, data, rad, zs, rotation) + hyperprior(th))(theta)
 
 
 # -- the hyperparameters ------------------------------------------------------------------------------
@@ -635,12 +668,16 @@ def hyper_grad(theta, data: Data, rad: Radial, zs: jax.Array, E: jax.Array):
 
 def pixelwise_evidence(theta: Any, data: Data, rad: Radial) -> jax.Array:
     """``log p(y | theta)`` (exact, float64) of the model with the plane-of-sky correlation dropped:
-    every latent pixel's field independent, ``u_p = L (z_p + (amp0 / amp) z_0)`` with the sky-wide
-    zero mode ``z_0`` kept (the joint precision is block-arrow: per-pixel ``B_p = I + L^T D_p L``, then
-    the ``J x J`` Schur complement of ``z_0``). Its maximum is a composite-likelihood estimate of the
-    radial hyperparameters (each pixel's marginal is the full model's): the full fit's start."""
+    every latent pixel's field independent, ``u_p = L z_p + (amp0 / amp) L0 z_0`` with the sky-wide
+    zero mode ``z_0`` kept (the joint precision is block-arrow: per-pixel ``B_p = I + L^T D_p L``, the
+    couplings ``(amp0 / amp) L^T D_p L0 = (amp0 / amp) W_p M``, ``W_p = L^T D_p L``, ``M = L^-1 L0``,
+    then the ``J x J`` Schur complement of ``z_0``). Its maximum is a composite-likelihood estimate of
+    the radial hyperparameters (each pixel's marginal is the full model's): the full fit's start."""
     prior = prior_of(theta, rad, data.grid)
     L, ratio = prior.L, prior.k0 - 1.0
+    M = jax.scipy.linalg.solve_triangular(
+        L, prior.L0, lower=True
+    )  # (M M^T <= (1 + q2) I: Sigma_r >= Sigma_r0 / (1 + q2))
     D, t = data.D.astype(L.dtype), data.t.astype(L.dtype)
     mu_v = rad.V.T @ prior.mu
     W = jnp.einsum("ji,pjk,kl->pil", L, D, L)
@@ -648,12 +685,13 @@ def pixelwise_evidence(theta: Any, data: Data, rad: Radial) -> jax.Array:
     B = jnp.eye(L.shape[0]) + W
     cB = jnp.linalg.cholesky(B)
     Bb = jax.scipy.linalg.cho_solve((cB, True), b[..., None])[..., 0]  # B_p^-1 b_p
-    # sum_p W_p B_p^-1 = sum_p (I - B_p^-1), B_p^-1 = (cB_p^-1)^T cB_p^-1 (a batched triangular solve:
-    # the gradient of jax's batched cho_solve with a matrix right-hand side hangs on some CPUs, jax 0.10)
+    # The Schur complement: I + ratio M^T sum_p (L^T D_p L - W_p B_p^-1 W_p) M, and W - W B^-1 W = I - B^-1;
+    # B_p^-1 = (cB_p^-1)^T cB_p^-1 (a batched triangular solve of the identity: the gradient of jax's
+    # batched cho_solve with a matrix right-hand side hangs on some CPUs, jax 0.10)
     J = L.shape[0]
     Li = jax.scipy.linalg.solve_triangular(cB, jnp.broadcast_to(jnp.eye(J), cB.shape), lower=True)
-    S = jnp.eye(J) + ratio * (W.shape[0] * jnp.eye(J) - jnp.sum(jnp.swapaxes(Li, 1, 2) @ Li, 0))
-    s_ = jnp.sqrt(ratio) * jnp.sum(Bb, 0)
+    S = jnp.eye(J) + ratio * M.T @ (W.shape[0] * jnp.eye(J) - jnp.sum(jnp.swapaxes(Li, 1, 2) @ Li, 0)) @ M
+    s_ = jnp.sqrt(ratio) * M.T @ jnp.sum(Bb, 0)  # ratio^1/2 (L0^T sum_p e_p - M^T sum_p W_p B_p^-1 b_p)
     cS = jnp.linalg.cholesky(0.5 * (S + S.T))
     quad = jnp.sum(b * Bb) + s_ @ jax.scipy.linalg.cho_solve((cS, True), s_)
     rr = data.yy - 2 * jnp.sum(t @ mu_v) + jnp.einsum("i,pij,j->", mu_v, D, mu_v)
@@ -978,27 +1016,39 @@ def posterior(
     # a batch takes as many steps as its slowest solve
     steps = int(jnp.max(k)) if batch > 1 else int(jnp.sum(k))
     seconds["per_cg_step_s"] = seconds["solve_s"] / max(1, steps)
-    zt = jnp.fft.irfft2(z * prior.sq.astype(jnp.float32), s=data.grid.shape)  # K^1/2 z
+    sq = prior.sq.astype(jnp.float32)
+    zt = jnp.fft.irfft2((z * sq).at[..., 0, 0].set(0.0), s=data.grid.shape)  # K^1/2 z, the non-zero modes
     zt = jnp.swapaxes(zt.reshape(1 + pairs, -1, data.grid.size), 1, 2)
-    E = jax.scipy.linalg.solve_triangular(prior.L, (prior.sigma_r @ rad.V).T, lower=True).T  # Sigma_r V L^-T
-    cond = prior.k0 * jnp.clip(jnp.diag(prior.sigma_r) - jnp.sum(E * E, 1), 0.0)
-    E = E @ rot  # the channels the solves are in
+    c = z[:, :, 0, 0].real * sq[0, 0] / data.grid.size  # ... and the sky-wide mode's (1 + pairs, J)
     C = jnp.asarray(functionals, jnp.float64)
-    cond_f = prior.k0 * jnp.maximum(jnp.einsum("mi,ij,mj->m", C, prior.sigma_r, C) - jnp.sum((C @ E) ** 2, 1), 0.0)
-    E32, mu32 = E.astype(jnp.float32), prior.mu.astype(jnp.float32)
-    mean = mu32 + zt[0] @ E32.T
+    ratio2 = prior.k0 - 1.0
+
+    def recovery(L: jax.Array, S: jax.Array, E: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """``S V L^-T E`` (the bins' mean given the channels), and the variance it leaves unseen per bin
+        and per functional."""
+        G = jax.scipy.linalg.solve_triangular(L, (S @ rad.V).T, lower=True).T
+        unseen = jnp.clip(jnp.diag(S) - jnp.sum(G * G, 1), 0.0)
+        unseen_f = jnp.maximum(jnp.einsum("mi,ij,mj->m", C, S, C) - jnp.sum((C @ G) ** 2, 1), 0.0)
+        return G @ E, unseen, unseen_f
+
+    G, cond, cond_f = recovery(prior.L, prior.sigma_r, rot[0])
+    G0, cond0, cond0_f = recovery(prior.L0, prior.sigma_r0, rot[1])
+    cond, cond_f = cond + ratio2 * cond0, cond_f + ratio2 * cond0_f
+    G32, G032, mu32 = G.astype(jnp.float32), G0.astype(jnp.float32), prior.mu.astype(jnp.float32)
+    mean = mu32 + zt[0] @ G32.T + G032 @ c[0]
     var = jnp.zeros_like(mean)
     for s in range(pairs):  # one sample at a time: no (pairs, n_lat, n_bins) array
-        var = var + (zt[1 + s] @ E32.T) ** 2
+        var = var + (zt[1 + s] @ G32.T + G032 @ c[1 + s]) ** 2
     var = var / pairs + cond.astype(jnp.float32)
-    f_dev = np.asarray(zt[1:] @ (C @ E).T.astype(jnp.float32), np.float64)  # (pairs, n_lat, m)
+    CG, CG0 = (C @ G).astype(jnp.float32), (C @ G0).astype(jnp.float32)
+    f_dev = np.asarray(zt[1:] @ CG.T + (c[1:] @ CG0.T)[:, None, :], np.float64)  # (pairs, n_lat, m)
     return {
         "mean": np.asarray(mean),
         "std": np.asarray(jnp.sqrt(var)),
         "fmean": _rows_times(mean, np.asarray(functionals, np.float64).T),
         "fstd": np.sqrt(np.mean(f_dev**2, 0) + np.asarray(cond_f)[None, :]),
-        "fprior_sd": np.sqrt(np.asarray(prior.k0 * jnp.einsum("mi,ij,mj->m", C, prior.sigma_r, C))),
-        "prior_sd": np.sqrt(np.asarray(prior.k0 * jnp.diag(prior.sigma_r))),
+        "fprior_sd": np.sqrt(np.asarray(jnp.einsum("mi,ij,mj->m", C, prior.variance, C))),
+        "prior_sd": np.sqrt(np.asarray(jnp.diag(prior.variance))),
         "mu": np.asarray(prior.mu),
         "cg_iterations": int(jnp.max(k)),
         "cg_steps": int(jnp.sum(k)),
