@@ -429,8 +429,7 @@ class Prior:
     """``theta``'s prior on the latent grid: ``mu`` (``n_bins``), the per-pixel field's ``Sigma_r``
     (``n_bins x n_bins``) and ``L`` (``J x J``, ``L L^T = V^T Sigma_r V``), the sky-wide mode's
     ``Sigma_r0`` and ``L0`` (the long radial correlation alone: the short one is a pixel's own, not
-    the sky's; shared, it let the fit at 54M lines trade the field's sd for the sky-wide mode's), and
-    the square root of the plane-of-sky power (its zero mode: the sky-wide mode's)."""
+    the sky's), and the square root of the plane-of-sky power (its zero mode: the sky-wide mode's)."""
 
     mu: jax.Array
     sigma_r: jax.Array
