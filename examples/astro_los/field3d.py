@@ -35,11 +35,14 @@ vectors of a sample of the catalog's weight vectors; enough of them for every li
 within ``TRUNCATION`` noise sd on a rough sky, :func:`truncate`): ``g_l = V^T w_l``, computed once
 by ``chunkop.map`` over the lines, and per latent pixel ``D_p = sum_l g_l g_l^T / sigma_l^2``, ``t_p = sum_l g_l
 y_l / sigma_l^2`` (the transpose of a ``chunkop.RowOperator`` on the latent field). The data see
-the sky only through ``u_p = V^T f_p``, whose prior is ``K_xy (x) C`` with ``C = V^T Sigma_r V``;
-the posterior of ``u`` is solved exactly (CG on the whitened field ``u = (K_xy^1/2 (x) L) z``,
-``L L^T = C``, preconditioned by the exact inverse for the mean ``D``: diagonal in Fourier space)
-and the sky follows as ``E[f_p | u_p] = Sigma_r V C^-1 u_p`` plus the prior's variance left
-unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)``, added to every sample's spread.
+the sky only through ``u_p = V^T f_p``, whose prior is ``K_xy (x) C`` with ``C = V^T Sigma_r V``
+on the non-zero plane-of-sky modes and ``C0 = V^T Sigma_r0 V`` on the sky-wide one (``Sigma_r0``:
+the long radial correlation alone); the posterior of ``u`` is solved exactly (CG on the whitened
+field ``u = (K_xy^1/2 (x) L) z``, ``L L^T = C``, the zero mode through ``L0``, ``L0 L0^T = C0``,
+preconditioned by the exact inverse for the mean ``D``: diagonal in Fourier space) and the sky
+follows per component as ``Sigma_r V C^-1 u`` (``Sigma_r0 V C0^-1 u`` for the sky-wide one) plus
+the prior's variance left unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)`` and its sky-wide
+twin, added to every sample's spread.
 
 The latent plane-of-sky grid is the catalog's, coarsened (blocks of ``factor x factor`` pixels
 sharing one value) only where the posterior's solves would need more than ``POSTERIOR_BYTES``
@@ -508,21 +511,29 @@ def rotation_of(prior: Prior, data: Data) -> tuple[tuple[jax.Array, jax.Array], 
     return eig(prior.L), eig(prior.L0)
 
 
+def _split_modes(zh: jax.Array, sq: jax.Array, shape: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    """``K^1/2 z`` of whitened rfft2 coefficients ``zh`` (``(..., J, nx, ny // 2 + 1)``) in two parts:
+    the non-zero plane-of-sky modes as a field (``(..., J, nx, ny)``) and the zero mode's coefficient
+    (``(..., J)``; its field, the same at every pixel, is that over ``nx ny``)."""
+    x = jnp.fft.irfft2((zh * sq).at[..., 0, 0].set(0.0), s=shape)
+    return x, zh[..., 0, 0].real * sq[0, 0]
+
+
 def _to_u(L: jax.Array, L0: jax.Array, sq: jax.Array, zh: jax.Array, shape: tuple[int, int]) -> jax.Array:
     """``u = V^T f`` per latent pixel (``(..., J, nx, ny)``) of whitened rfft2 coefficients ``zh``: the
     non-zero modes through ``L``, the zero mode (the sky-wide field, the same at every pixel) through ``L0``."""
-    x = jnp.fft.irfft2((zh * sq).at[..., 0, 0].set(0.0), s=shape)
-    c = jnp.einsum("ij,...j->...i", L0, zh[..., 0, 0].real * sq[0, 0]) / (shape[0] * shape[1])
-    return _mix(L, x) + c[..., None, None]
+    x, c0 = _split_modes(zh, sq, shape)
+    return _mix(L, x) + (jnp.einsum("ij,...j->...i", L0, c0) / (shape[0] * shape[1]))[..., None, None]
 
 
 class System:
     """The whitened normal equations ``H z = rhs``, ``H = I + (K^1/2 (x) L^T) D (K^1/2 (x) L)``, solved
     for the rfft2 coefficients of ``z`` (``(J, nx, ny // 2 + 1)`` complex64; ``dot`` is the real
     fields' dot product) in the channels that diagonalise the mean ``D`` (``L E``, ``E`` the
-    eigenvectors of ``L^T mean(D) L``): ``K^1/2`` is then diagonal, each product with ``H`` one pair of
-    FFTs and one ``J x J`` product per pixel (``W_p = (L E)^T D_p L E``), and the preconditioner (the
-    exact ``H^-1`` for the mean ``D``, ``1 / (1 + P(k) lambda_j)``) a diagonal."""
+    eigenvectors of ``L^T mean(D) L``; the zero mode in ``L0 E0``, :func:`rotation_of`): ``K^1/2`` is
+    then diagonal, each product with ``H`` one pair of FFTs, one ``J x J`` product ``D_p`` per pixel
+    and two with the shared ``L E`` (no ``L^T D_p L`` held: half the memory), and the preconditioner
+    (the exact ``H^-1`` for the mean ``D``, ``1 / (1 + P(k) lambda_j)``) a diagonal."""
 
     def __init__(self, data: Data, prior: Prior, rad: Radial, rotation: tuple):
         self.data, self.shape = data, data.grid.shape
@@ -674,9 +685,8 @@ def pixelwise_evidence(theta: Any, data: Data, rad: Radial) -> jax.Array:
     the radial hyperparameters (each pixel's marginal is the full model's): the full fit's start."""
     prior = prior_of(theta, rad, data.grid)
     L, ratio = prior.L, prior.k0 - 1.0
-    M = jax.scipy.linalg.solve_triangular(
-        L, prior.L0, lower=True
-    )  # (M M^T <= (1 + q2) I: Sigma_r >= Sigma_r0 / (1 + q2))
+    # M = L^-1 L0 is bounded: M M^T <= (1 + q2) I, as Sigma_r >= Sigma_r0 / (1 + q2)
+    M = jax.scipy.linalg.solve_triangular(L, prior.L0, lower=True)
     D, t = data.D.astype(L.dtype), data.t.astype(L.dtype)
     mu_v = rad.V.T @ prior.mu
     W = jnp.einsum("ji,pjk,kl->pil", L, D, L)
@@ -1015,10 +1025,9 @@ def posterior(
     # a batch takes as many steps as its slowest solve
     steps = int(jnp.max(k)) if batch > 1 else int(jnp.sum(k))
     seconds["per_cg_step_s"] = seconds["solve_s"] / max(1, steps)
-    sq = prior.sq.astype(jnp.float32)
-    zt = jnp.fft.irfft2((z * sq).at[..., 0, 0].set(0.0), s=data.grid.shape)  # K^1/2 z, the non-zero modes
+    zt, c0 = _split_modes(z, prior.sq.astype(jnp.float32), data.grid.shape)
     zt = jnp.swapaxes(zt.reshape(1 + pairs, -1, data.grid.size), 1, 2)
-    c = z[:, :, 0, 0].real * sq[0, 0] / data.grid.size  # ... and the sky-wide mode's (1 + pairs, J)
+    c = c0 / data.grid.size  # the sky-wide mode's field (1 + pairs, J)
     C = jnp.asarray(functionals, jnp.float64)
     ratio2 = prior.k0 - 1.0
 
