@@ -266,3 +266,61 @@ def test_reference_profile_sets_the_distance_integrated_column(tmp_path, capsys)
         reconstruct.main(["--profile", ref_path])
     with pytest.raises(ValueError, match="positive"):
         learn.check_reference(-np.ones(24), 24)
+
+
+@pytest.mark.parametrize("name", families.FAMILIES)
+def test_family_skies_are_positive_and_finite(name):
+    nx, ny, n_bins, _ = families.GRIDS["tiny"]
+    edges = families._edges(n_bins)
+    sky = families.family_sky(name, nx, ny, edges, np.random.default_rng(0))
+    assert sky.shape == (nx * ny, n_bins) and sky.dtype == np.float32
+    assert np.all(np.isfinite(sky)) and np.all(sky > 0)
+
+
+def test_thin_sheet_and_lognormal_families_are_what_they_say():
+    nx, ny, n_bins = 32, 24, 96
+    edges = families._edges(n_bins)
+    r = np.sqrt(edges[:-1] * edges[1:])
+    base = families.base_profile("thin_sheet", r)
+    sky = families.family_sky("thin_sheet", nx, ny, edges, np.random.default_rng(1)) / base
+    in_sheet = (r > 400) & (r < 430)
+    # along every line the field is a constant factor; the covered pixels gain 6x inside the sheet only
+    ratio = sky[:, in_sheet].mean(1) / sky[:, ~in_sheet].mean(1)
+    assert np.allclose(np.sort(np.unique(np.round(ratio, 4))), [1.0, 6.0])
+    assert 0.2 < np.mean(ratio > 3) < 0.6  # a disc over part of the sky
+    lg = np.log(families.family_sky("lognormal_3d", nx, ny, edges, np.random.default_rng(2)))
+    dev = lg - np.log(families.base_profile("lognormal_3d", r))[None, :]
+    assert 0.45 < dev.std() < 0.55  # sd 0.5 in ln density
+    # correlated along the line over ~100 pc: neighbouring bins near 1000 pc (~30 pc apart) strongly,
+    # bins 600 pc apart hardly
+    k = int(np.argmin(np.abs(r - 1000)))
+    near_corr = np.corrcoef(dev[:, k], dev[:, k + 1])[0, 1]
+    far_corr = np.corrcoef(dev[:, k], dev[:, int(np.argmin(np.abs(r - 400)))])[0, 1]
+    assert near_corr > 0.6 and abs(far_corr) < 0.2
+
+
+def test_near_column_reference_follows_its_definition():
+    # the reference is exact beyond NEAR_PC and, in front of it, the oracle's profile scaled to each
+    # pixel's true column there: a reconstruction equal to it errs exactly as much, range by range
+    from types import SimpleNamespace
+
+    n_bins = 24
+    edges = families._edges(n_bins)
+    r = np.sqrt(edges[:-1] * edges[1:])
+    cat = SimpleNamespace(edges=edges, centres=r, n_bins=n_bins)
+    truth = np.random.default_rng(3).lognormal(0.0, 0.5, (60, n_bins))
+    db, dib = np.diff(edges), 1 / edges[:-1] - 1 / edges[1:]
+    oracle, near = truth.mean(0), r < reconstruct.NEAR_PC
+    ref = truth.copy()
+    ref[:, near] = oracle[near] * ((truth[:, near] @ db[near]) / (oracle[near] @ db[near]))[:, None]
+    rec = {"mean": ref.astype(np.float32), "column": ref @ db, "wcolumn": ref @ dib, "summary": {"chi2_per_line": 1.0}}
+    m = reconstruct.evaluate(cat, rec, truth)["metrics"]
+    assert m["rel_err_sky_db_near_column"] > 0.05
+    assert m["rel_err_sky_db"] == pytest.approx(m["rel_err_sky_db_near_column"], rel=1e-5)
+    for b in m["sky_db_by_distance"]:
+        assert b["rel_err"] == pytest.approx(b["rel_err_near_column"], rel=1e-4, abs=1e-6)
+        if b["range_pc"][0] >= reconstruct.NEAR_PC:
+            assert b["rel_err_near_column"] == 0.0
+    # the oracle's own map is no better than the reference: the column it lacks is what the reference adds
+    rec_o = {**rec, "mean": np.broadcast_to(oracle, truth.shape).astype(np.float32)}
+    assert reconstruct.evaluate(cat, rec_o, truth)["metrics"]["rel_err_sky_db"] > m["rel_err_sky_db_near_column"]

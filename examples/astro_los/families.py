@@ -26,7 +26,12 @@ seed response, the earlier toy draws (distances log-uniform, ``s / d`` the same)
 * ``steep_disc_fine``: a steeper disc ``exp(-r / 150 pc)`` and a fine field (correlation ~2 pixels);
 * ``local_bubble``: a nearly empty bubble (3% of the density) out to a wall whose distance varies
   over the sky (60-140 pc), a dense shell just beyond it, then ``exp(-r / 600 pc)``;
-* ``two_arms``: two dense layers along every line (at 300 and 1100 pc) over a thin floor.
+* ``two_arms``: two dense layers along every line (at 300 and 1100 pc) over a thin floor;
+* ``thin_sheet``: ``exp(-r / 800 pc)`` times a field, and a sheet 30 pc thick (400-430 pc, 6x the
+  density) over a disc on the sky with a sharp edge (the issue's thin sheet, farther out);
+* ``lognormal_3d``: ``exp(-r / 700 pc)`` times a 3-D log-normal field (sd 0.5 in ``ln`` density,
+  exponential correlation of 100 pc along the line, a power-law spectrum on the sky): the kind of
+  prior the published maps assume, not this example's Gaussian one.
 """
 
 from __future__ import annotations
@@ -44,7 +49,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import los
 from catalog import write_catalog
 
-FAMILIES = ("steep_profile", "compact_clouds", "sheet_edge", "steep_disc_fine", "local_bubble", "two_arms")
+FAMILIES = (
+    "steep_profile",
+    "compact_clouds",
+    "sheet_edge",
+    "steep_disc_fine",
+    "local_bubble",
+    "two_arms",
+    "thin_sheet",
+    "lognormal_3d",
+)
 REFERENCES = ("oracle", "scale2x")
 GRIDS = {"tiny": (12, 8, 24, 6_000), "default": (64, 48, 96, 131_072)}
 
@@ -81,6 +95,10 @@ def base_profile(name: str, r: np.ndarray, scale: float = 1.0) -> np.ndarray:
             + np.exp(-0.5 * ((r - 300.0 * scale) / (60.0 * scale)) ** 2)
             + 0.7 * np.exp(-0.5 * ((r - 1100.0 * scale) / (150.0 * scale)) ** 2)
         )
+    if name == "thin_sheet":
+        return np.exp(-r / (800.0 * scale))
+    if name == "lognormal_3d":
+        return np.exp(-r / (700.0 * scale))
     raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
 
 
@@ -139,6 +157,16 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
     elif name == "two_arms":
         g = 0.35 * _powerlaw_field(rng, nx, ny, knee=0.03, slope=1.6)
         sky = base_profile(name, r)[None, :] * np.exp(g)[:, None]
+    elif name == "thin_sheet":
+        g = 0.25 * _powerlaw_field(rng, nx, ny, knee=0.04, slope=2.0)
+        covered = ((ix - 0.3 * nx) ** 2 + (iy - 0.5 * ny) ** 2 < (0.35 * nx) ** 2).astype(float)[:, None]
+        sheet = ((r > 400.0) & (r < 430.0)).astype(float)[None, :]
+        sky = base_profile(name, r)[None, :] * np.exp(g)[:, None] * (1.0 + 5.0 * covered * sheet)
+    elif name == "lognormal_3d":
+        corr = np.exp(-np.abs(r[:, None] - r[None, :]) / 100.0)
+        Lr = np.linalg.cholesky(corr + 1e-9 * np.eye(r.size))
+        lateral = np.stack([_powerlaw_field(rng, nx, ny, knee=0.06, slope=1.8) for _ in r], 1)  # (n_pix, n_bins)
+        sky = base_profile(name, r)[None, :] * np.exp(0.5 * lateral @ Lr.T)
     else:
         raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
     return sky.astype(np.float32)
