@@ -295,9 +295,17 @@ def latent_operator(
     ``layout``: the operator's ``layout=``)."""
     struct = jax.ShapeDtypeStruct((n_lat, g.shape[1]), jnp.float32)
     rows = _rows(g, cpix) if rows is None else rows
-    return chunkop.RowOperator(
-        lambda row, u: _g(row) @ u[row["pix"]], rows, struct, chunk_size=min(chunk, len(g)), layout=layout
-    )
+    return chunkop.RowOperator(_response_row, rows, struct, chunk_size=min(chunk, len(g)), layout=layout)
+
+
+def _response_row(row: dict, u: jax.Array) -> jax.Array:
+    """One line of :func:`latent_operator`: ``g_l . u[cpix_l]``."""
+    return _g(row) @ u[row["pix"]]
+
+
+def _outer_row(row: dict, M: jax.Array) -> jax.Array:
+    """One line of :func:`data_on`'s outer-product operator: ``g_l . M[cpix_l] g_l``."""
+    return _g(row) @ M[row["pix"]] @ _g(row)
 
 
 def _rows(g: np.ndarray, cpix: np.ndarray) -> dict:
@@ -311,25 +319,46 @@ def _g(row: dict) -> jax.Array:
     return jnp.stack(row["g"])
 
 
+#: the most lines a latent pixel receives, on average, in one of :func:`data_on`'s passes: float32 sums
+#: within a pass, float64 across. With 4310 lines a latent pixel in one float32 pass (13.24M lines on
+#: the CPU, the hyperparameters' grid at 64 x 48), the rounding of the running sums left ``D_p``
+#: indefinite (smallest eigenvalue -2e-6 of the largest entry): the directions few lines measure, the
+#: near bins', are lost at that level (54M lines on a TPU: ~4400 a pixel, made semi-definite after)
+LINES_PER_PASS = 256
+
+
 def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: str = "auto") -> Data:
     """:class:`Data` on ``grid``: ``t = A^T (y / sigma^2)`` and ``D = B^T (1 / sigma^2)`` with ``A`` the
     latent response (:func:`latent_operator`) and ``B`` its outer-product twin (``row_fn`` reads one
-    latent pixel's ``J x J`` block), both chunked transposes."""
+    latent pixel's ``J x J`` block), both chunked transposes; over blocks of lines that give a latent
+    pixel :data:`LINES_PER_PASS` lines on average, each summed in float32 on the device, the blocks
+    added in float64 (one block where the lines are fewer)."""
     cpix = grid.of_pixel(cat.pix)
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
-    rows = _rows(g, cpix)  # on the device once, for both operators
-    A = latent_operator(g, cpix, grid.size, chunk, rows, layout)
-    J = g.shape[1]
-    B = chunkop.RowOperator(
-        lambda row, M: _g(row) @ M[row["pix"]] @ _g(row),
-        rows,
-        jax.ShapeDtypeStruct((grid.size, J, J), jnp.float32),
-        chunk_size=min(chunk, len(g)),
-        layout=layout,
-    )
-    ivj = jnp.asarray(iv, jnp.float32)
-    t = jax.jit(_transposed)(A, ivj * jnp.asarray(cat.y, jnp.float32))
-    D = jax.jit(_transposed)(B, ivj)
+    n, J = g.shape
+    block = max(chunk, LINES_PER_PASS * grid.size // chunk * chunk)
+    D = t = None
+    for lo in range(0, n, block):
+        sl = slice(lo, min(n, lo + block))
+        rows = _rows(g[sl], cpix[sl])  # on the device once, for both operators
+        A = latent_operator(g[sl], cpix[sl], grid.size, chunk, rows, layout)
+        B = chunkop.RowOperator(
+            _outer_row,
+            rows,
+            jax.ShapeDtypeStruct((grid.size, J, J), jnp.float32),
+            chunk_size=min(chunk, sl.stop - sl.start),
+            layout=layout,
+        )
+        ivj = jnp.asarray(iv[sl], jnp.float32)
+        tb = jax.jit(_transposed)(A, ivj * jnp.asarray(cat.y[sl], jnp.float32))
+        Db = jax.jit(_transposed)(B, ivj)
+        if block >= n:  # (one block: the device's arrays as they are)
+            t, D = tb, Db
+        else:
+            t = np.asarray(tb, np.float64) + (0.0 if t is None else t)
+            D = np.asarray(Db, np.float64) + (0.0 if D is None else D)
+    if block < n:
+        t, D = jnp.asarray(t, jnp.float32), jnp.asarray(D, jnp.float32)
     yy = float(np.sum(cat.y.astype(np.float64) ** 2 * iv))
     log_norm = float(np.sum(np.log(2 * np.pi / iv)))
     return Data(D=D, t=t, yy=jnp.asarray(yy), log_norm=jnp.asarray(log_norm), grid=grid)
