@@ -337,7 +337,6 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: 
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     n, J = g.shape
     block = max(chunk, LINES_PER_PASS * grid.size // chunk * chunk)
-    D = t = None
     for lo in range(0, n, block):
         sl = slice(lo, min(n, lo + block))
         rows = _rows(g[sl], cpix[sl])  # on the device once, for both operators
@@ -354,9 +353,11 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: 
         Db = jax.jit(_transposed)(B, ivj)
         if block >= n:  # (one block: the device's arrays as they are)
             t, D = tb, Db
+        elif lo == 0:  # (several: their float64 sums)
+            t, D = np.asarray(tb, np.float64), np.asarray(Db, np.float64)
         else:
-            t = np.asarray(tb, np.float64) + (0.0 if t is None else t)
-            D = np.asarray(Db, np.float64) + (0.0 if D is None else D)
+            t += np.asarray(tb, np.float64)
+            D += np.asarray(Db, np.float64)
     if block < n:
         t, D = jnp.asarray(t, jnp.float32), jnp.asarray(D, jnp.float32)
     yy = float(np.sum(cat.y.astype(np.float64) ** 2 * iv))
@@ -1259,9 +1260,10 @@ def reconstruct(
     def data_on_latent(grid: Grid) -> Data:
         with jax.default_device(lines_device):
             data = jax.device_put(data_on(cat, g, grid, chunk, layout), latent)
-        # an accelerator's float32 sums, rounded in another order than the host's, leave some D_p
-        # indefinite where the lines of a latent pixel are many (54M lines: ~3300 per pixel of the
-        # hyperparameters' grid): made semi-definite, as the sums are exactly (a CPU's are kept as they are)
+        # an accelerator's D_p are made semi-definite, as the exact sums are (a CPU's are kept as they
+        # are). Before data_on added its float32 blocks in float64, one float32 pass over ~4400 lines a
+        # pixel (54M lines, the hyperparameters' grid) left some indefinite, and this hid the loss of
+        # what few lines measure (the same pass on a CPU: the evidence NaN; benchmarks/RESULTS.md)
         return data if lines_device.platform == "cpu" else eqx.tree_at(lambda d: d.D, data, nearest_psd(data.D))
 
     with jax.enable_x64(True), jax.default_device(latent):
