@@ -630,6 +630,7 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     # nothing says where along the stretch the dust lies)
     near = cat.centres < NEAR_PC
     o_near = np.asarray(oracle, np.float64)[near]
+    o_col = max(float(o_near @ db[near]), 1e-300)  # the oracle's column in front of NEAR_PC
     e2, o2, x2, n2 = (np.zeros(cat.n_bins) for _ in range(4))
     for i in range(0, x.shape[0], 65536):
         xb = x[i : i + 65536].astype(np.float64)
@@ -637,7 +638,7 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
         o2 += np.sum((oracle - xb) ** 2, 0)
         x2 += np.sum(xb**2, 0)
         if np.any(near):
-            scale = (xb[:, near] @ db[near]) / max(float(o_near @ db[near]), 1e-300)
+            scale = (xb[:, near] @ db[near]) / o_col
             n2[near] += np.sum((scale[:, None] * o_near[None, :] - xb[:, near]) ** 2, 0)
     sq = [np.sum(e2), np.sum(o2), np.sum(x2)]
     sqw = [e2 @ db, o2 @ db, x2 @ db]  # weighted by the bin lengths (|(rec - sky) sqrt(db)|)
