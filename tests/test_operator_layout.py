@@ -381,3 +381,34 @@ def test_auto_keeps_the_plain_layout_for_a_small_x_on_a_cpu():
         x, y = case.x(), case.y()
         assert_tree_allclose(A.mv(x), P.mv(x), n_terms=1)
         assert_tree_allclose(A.T.mv(y), W.T.mv(y), n_terms=16)
+
+
+@pytest.mark.parametrize("layout", ["plain", "windowed"])
+def test_many_rows_into_one_entry_round_no_worse_than_jax(layout):
+    """Thousands of float32 rows summed into one entry of ``x``: ``A.T.mv`` and the gradient of
+    ``A.mv`` carry the rounding of a running float32 sum, no worse than ``jax.vmap``'s own linear
+    transpose (a scatter-add) at any chunk size, against a float64 NumPy sum."""
+    rng = np.random.default_rng(0)
+    n_out, per = 8, 4000
+    idx = rng.integers(0, n_out, n_out * per)
+    w = (rng.standard_normal((idx.size, 4)) + 3.0).astype(np.float32)
+    y = (rng.standard_normal(idx.size) + 1.0).astype(np.float32)
+    rows = {"idx": jnp.asarray(idx), "w": jnp.asarray(w)}
+    x = jnp.zeros((n_out, 4), jnp.float32)
+    terms = w.astype(np.float64) * y.astype(np.float64)[:, None]
+    exact, size = np.zeros((n_out, 4)), np.zeros((n_out, 4))
+    np.add.at(exact, idx, terms)
+    np.add.at(size, idx, np.abs(terms))
+
+    def err(a):
+        return float(np.max(np.abs(np.asarray(a, np.float64) - exact) / size))
+
+    def row_fn(r, x):
+        return jnp.sum(r["w"] * x[r["idx"]])
+
+    jax_err = err(jax.linear_transpose(lambda x: jax.vmap(row_fn, (0, None))(rows, x), x)(jnp.asarray(y))[0])
+    assert 1e-8 < jax_err < 1e-4  # a float32 running sum: rounding shows, and is small
+    for chunk in (512, 8192, idx.size):
+        A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct(x.shape, x.dtype), chunk_size=chunk, layout=layout)
+        assert err(A.T.mv(jnp.asarray(y))) <= 1.5 * jax_err, chunk
+        assert err(jax.grad(lambda x: A.mv(x) @ jnp.asarray(y))(x)) <= 1.5 * jax_err, chunk
