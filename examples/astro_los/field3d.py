@@ -371,17 +371,39 @@ def _transposed(op: chunkop.RowOperator, v: jax.Array) -> jax.Array:
         return op.T.mv(v)
 
 
-def nearest_psd(D: jax.Array, block: int = 1 << 16) -> jax.Array:
-    """The nearest (Frobenius) positive semi-definite matrices to the symmetric parts of ``D``
-    (``(n, J, J)``): negative eigenvalues set to zero, in ``D``'s dtype, ``block`` matrices at a time."""
-    return jnp.concatenate([_psd_block(D[lo : lo + block]) for lo in range(0, D.shape[0], block)])
+#: :func:`nearest_psd` leaves a ``D_p`` as it is unless its smallest eigenvalue is below ``-INDEFINITE``
+#: times its largest: the float32 rounding of exact sums reaches ~1e-6 (J eps), which every CPU run
+#: kept; beyond it a sum has lost what it measured (one float32 pass over ~4400 lines a pixel: -2e-6
+#: of the largest entry, and the evidence NaN)
+INDEFINITE = 1e-5
+
+
+def nearest_psd(D: jax.Array, block: int = 1 << 16) -> tuple[jax.Array, int]:
+    """``D`` (``(n, J, J)``) with each matrix indefinite beyond rounding (smallest eigenvalue below
+    ``-INDEFINITE`` times the largest) replaced by the nearest (Frobenius) positive semi-definite
+    matrix to its symmetric part, computed in float64 and returned in ``D``'s dtype; every other matrix
+    is returned bitwise. ``block`` matrices at a time. Returns the matrices and how many were replaced.
+
+    Only those: a projection of every ``D_p`` in float32 (what the accelerator's path did until session
+    28) errs by ~1e-7 of each one's largest eigenvalue in every direction, more than the directions
+    few lines measure (the near bins') hold. 27M lines on the CPU with it gave the sky 0.121x the
+    oracle's error and 14.6% of the ``1/r^2``-weighted columns within 2 sd, against 0.066x and 88.4%
+    without (``benchmarks/RESULTS.md``, "54M with the blocks")."""
+    out, replaced = [], 0
+    with jax.enable_x64(True):  # (each block back in D's dtype before the next: no float64 copy of D)
+        for lo in range(0, D.shape[0], block):
+            M, bad = _psd_block(jnp.asarray(D[lo : lo + block], jnp.float64), INDEFINITE)
+            out.append(jnp.where(bad[:, None, None], M.astype(D.dtype), D[lo : lo + block]))
+            replaced += int(jnp.sum(bad))
+    return jnp.concatenate(out), replaced
 
 
 @jax.jit
-def _psd_block(M: jax.Array) -> jax.Array:
-    """:func:`nearest_psd` of one block of matrices."""
+def _psd_block(M: jax.Array, tol: float) -> tuple[jax.Array, jax.Array]:
+    """:func:`nearest_psd` of one block of matrices: the projections, and which are indefinite beyond ``tol``."""
     w, Q = jnp.linalg.eigh(0.5 * (M + jnp.swapaxes(M, -1, -2)))
-    return (Q * jnp.maximum(w, 0)[..., None, :]) @ jnp.swapaxes(Q, -1, -2)
+    bad = w[..., 0] < -tol * jnp.maximum(w[..., -1], jnp.finfo(w.dtype).tiny)
+    return (Q * jnp.maximum(w, 0)[..., None, :]) @ jnp.swapaxes(Q, -1, -2), bad
 
 
 # -- the prior ------------------------------------------------------------------------------------
@@ -1260,11 +1282,13 @@ def reconstruct(
     def data_on_latent(grid: Grid) -> Data:
         with jax.default_device(lines_device):
             data = jax.device_put(data_on(cat, g, grid, chunk, layout), latent)
-        # an accelerator's D_p are made semi-definite, as the exact sums are (a CPU's are kept as they
-        # are). Before data_on added its float32 blocks in float64, one float32 pass over ~4400 lines a
-        # pixel (54M lines, the hyperparameters' grid) left some indefinite, and this hid the loss of
-        # what few lines measure (the same pass on a CPU: the evidence NaN; benchmarks/RESULTS.md)
-        return data if lines_device.platform == "cpu" else eqx.tree_at(lambda d: d.D, data, nearest_psd(data.D))
+        # every platform alike: D_p indefinite beyond rounding made semi-definite (nearest_psd; data_on's
+        # float64-added blocks leave them semi-definite to rounding). Until session 28 an accelerator's
+        # were all projected in float32, which was itself the 54M run's loss (benchmarks/RESULTS.md)
+        D, replaced = nearest_psd(data.D)
+        if replaced:
+            log(f"  {replaced} latent pixels' D_p indefinite beyond rounding: made semi-definite (nearest_psd)")
+        return eqx.tree_at(lambda d: d.D, data, D)
 
     with jax.enable_x64(True), jax.default_device(latent):
         rad = Radial.of(cat.edges, V)
