@@ -516,7 +516,7 @@ def test_nearest_psd_keeps_the_weak_directions_of_float32_sums():
     P, _ = field3d.nearest_psd(D32, block=24)
     assert P.dtype == jnp.float32 and np.array_equal(np.asarray(P), np.asarray(D32))
     assert weak_err(P) < 1e-6
-    assert weak_err(field3d._psd_block(D32, -1.0)[0]) > 1e-5  # the control: float32 eigh and product
+    assert weak_err(field3d._psd_block(D32, field3d.INDEFINITE)[0]) > 1e-5  # the control: float32 eigh and product
 
 
 def test_bounded_newton_step():

@@ -323,7 +323,7 @@ def _g(row: dict) -> jax.Array:
 #: within a pass, float64 across. With 4310 lines a latent pixel in one float32 pass (13.24M lines on
 #: the CPU, the hyperparameters' grid at 64 x 48), the rounding of the running sums left ``D_p``
 #: indefinite (smallest eigenvalue -2e-6 of the largest entry): the directions few lines measure, the
-#: near bins', are lost at that level (54M lines on a TPU: ~4400 a pixel, made semi-definite after)
+#: near bins', are lost at that level (54M lines on a TPU: ~4400 a pixel)
 LINES_PER_PASS = 256
 
 
@@ -388,7 +388,7 @@ def nearest_psd(D: jax.Array, block: int = 1 << 16) -> tuple[jax.Array, int]:
     28) errs by ~1e-7 of each one's largest eigenvalue in every direction, more than the directions
     few lines measure (the near bins') hold. 27M lines on the CPU with it gave the sky 0.121x the
     oracle's error and 14.6% of the ``1/r^2``-weighted columns within 2 sd, against 0.066x and 88.4%
-    without (``benchmarks/RESULTS.md``, "54M with the blocks")."""
+    without (``benchmarks/RESULTS.md``, "The 54M loss found")."""
     out, replaced = [], 0
     with jax.enable_x64(True):  # (each block back in D's dtype before the next: no float64 copy of D)
         for lo in range(0, D.shape[0], block):
