@@ -598,6 +598,22 @@ def test_pixel_evidence_fit_reaches_the_box_constrained_optimum(monkeypatch):
     np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
+def test_field3d_docstring_examples_pass():
+    # the module's docstring examples (blocks, radial_correlation, at_bounds, ...) are part of its docs
+    import doctest
+
+    failed, attempted = doctest.testmod(field3d, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert attempted >= 4 and failed == 0
+
+
+def test_blocks_cover_the_range_once_in_whole_multiples():
+    for n, block, multiple in [(10, 7, 3), (1, 5, 4), (12, 12, 4), (100, 3, 8), (0, 4, 2)]:
+        got = list(field3d.blocks(n, block, multiple))
+        assert np.array_equal(np.concatenate([np.arange(n)[b] for b in got] or [np.arange(0)]), np.arange(n))
+        assert all((b.stop - b.start) % multiple == 0 for b in got[:-1])
+        assert all(b.stop - b.start == max(multiple, block // multiple * multiple) for b in got[:-1])
+
+
 def test_q2_at_zero_is_not_a_bound_warning():
     # q2 = 0 is the model without the short radial component; at its upper bound it is reported
     bounds = [(-1.0, 1.0)] * len(field3d.NAMES)
@@ -607,6 +623,17 @@ def test_q2_at_zero_is_not_a_bound_warning():
     theta[field3d.NAMES.index("q2")] = 10.0
     theta[field3d.NAMES.index("a")] = -1.0
     assert field3d.at_bounds(theta, bounds) == ["a", "q2"]
+    # the table, not the name: an answer at the upper bound is not reported either
+    tab = dict(field3d.ANSWER_BOUNDS)
+    try:
+        field3d.ANSWER_BOUNDS["q2"] = (True, True)
+        assert field3d.at_bounds(theta, bounds) == ["a"]
+        field3d.ANSWER_BOUNDS["q2"] = (False, False)
+        theta[field3d.NAMES.index("q2")] = 0.0
+        assert field3d.at_bounds(theta, bounds) == ["a", "q2"]
+    finally:
+        field3d.ANSWER_BOUNDS.clear()
+        field3d.ANSWER_BOUNDS.update(tab)
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

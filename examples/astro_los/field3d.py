@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -137,6 +137,20 @@ def basis_kept(n_lines: int, n_bins: int) -> int:
     return n_bins if n_lines * n_bins * 4 <= COMPRESS_BYTES else min(n_bins, MAX_BASIS)
 
 
+def blocks(n: int, block: int, multiple: int = 1) -> Iterator[slice]:
+    """The slices of ``range(n)`` that every pass over the lines (or the pixels) takes a block at a time:
+    ``block`` items each, rounded down to a multiple of ``multiple`` (a chunk, so that no block but the
+    last is padded) and at least ``multiple``; the last one shorter.
+
+    Example:
+        >>> [(b.start, b.stop) for b in blocks(10, 7, multiple=3)]
+        [(0, 6), (6, 10)]
+    """
+    step = max(multiple, block // multiple * multiple)
+    for lo in range(0, n, step):
+        yield slice(lo, min(n, lo + step))
+
+
 def compress_lines(
     cat: Catalog, V: np.ndarray, response: str, chunk: int = 8192, seconds: dict | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -156,12 +170,10 @@ def compress_lines(
     arrays (``"copy"``)."""
     run = jax.jit(_compress_pass(cat.edges, V, response, chunk))
     # blocks of lines, each block's g copied out before the next (27.6 GB of padded (n, K) at 54M lines)
-    block = max(chunk, COMPRESS_BYTES // (128 * 4) // chunk * chunk)
     g = np.empty((cat.n_los, V.shape[1]), np.float32)
     w1, stats = np.empty(cat.n_los), np.zeros((2, V.shape[1]))
     spent = {"device": 0.0, "copy": 0.0}
-    for lo in range(0, cat.n_los, block):
-        sl = slice(lo, min(lo + block, cat.n_los))
+    for sl in blocks(cat.n_los, COMPRESS_BYTES // (128 * 4), chunk):
         t0 = time.perf_counter()
         rows = {k: jnp.asarray(getattr(cat, k)[sl], jnp.float32) for k in ("d", "s", "sigma")}
         out = jax.block_until_ready(run(rows))
@@ -336,9 +348,8 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: 
     cpix = grid.of_pixel(cat.pix)
     iv = 1.0 / cat.sigma.astype(np.float64) ** 2
     n, J = g.shape
-    block = max(chunk, LINES_PER_PASS * grid.size // chunk * chunk)
-    for lo in range(0, n, block):
-        sl = slice(lo, min(n, lo + block))
+    passes = list(blocks(n, LINES_PER_PASS * grid.size, chunk))
+    for sl in passes:
         rows = _rows(g[sl], cpix[sl])  # on the device once, for both operators
         A = latent_operator(g[sl], cpix[sl], grid.size, chunk, rows, layout)
         B = chunkop.RowOperator(
@@ -351,14 +362,14 @@ def data_on(cat: Catalog, g: np.ndarray, grid: Grid, chunk: int = 8192, layout: 
         ivj = jnp.asarray(iv[sl], jnp.float32)
         tb = jax.jit(_transposed)(A, ivj * jnp.asarray(cat.y[sl], jnp.float32))
         Db = jax.jit(_transposed)(B, ivj)
-        if block >= n:  # (one block: the device's arrays as they are)
+        if len(passes) == 1:  # (one block: the device's arrays as they are)
             t, D = tb, Db
-        elif lo == 0:  # (several: their float64 sums)
+        elif sl.start == 0:  # (several: their float64 sums)
             t, D = np.asarray(tb, np.float64), np.asarray(Db, np.float64)
         else:
             t += np.asarray(tb, np.float64)
             D += np.asarray(Db, np.float64)
-    if block < n:
+    if len(passes) > 1:
         t, D = jnp.asarray(t, jnp.float32), jnp.asarray(D, jnp.float32)
     yy = float(np.sum(cat.y.astype(np.float64) ** 2 * iv))
     log_norm = float(np.sum(np.log(2 * np.pi / iv)))
@@ -391,9 +402,9 @@ def nearest_psd(D: jax.Array, block: int = 1 << 16) -> tuple[jax.Array, int]:
     without (``benchmarks/RESULTS.md``, "The 54M loss found")."""
     out, replaced = [], 0
     with jax.enable_x64(True):  # (each block back in D's dtype before the next: no float64 copy of D)
-        for lo in range(0, D.shape[0], block):
-            M, bad = _psd_block(jnp.asarray(D[lo : lo + block], jnp.float64), INDEFINITE)
-            out.append(jnp.where(bad[:, None, None], M.astype(D.dtype), D[lo : lo + block]))
+        for sl in blocks(D.shape[0], block):
+            M, bad = _psd_block(jnp.asarray(D[sl], jnp.float64), INDEFINITE)
+            out.append(jnp.where(bad[:, None, None], M.astype(D.dtype), D[sl]))
             replaced += int(jnp.sum(bad))
     return jnp.concatenate(out), replaced
 
@@ -506,6 +517,8 @@ def prior_of(theta: Any, rad: Radial, grid: Grid) -> Prior:
     amp, amp0 = jnp.exp(theta[3]), jnp.exp(theta[4])
     sig = amp * mu
     sigma_r = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7]), theta[8]) * sig[None, :]
+    # (at q2 = 0 the two are equal, and both are still factored: the pixel-by-pixel fit asks at that
+    # bound whether to leave it, and the evidence's derivative in q2 there flows through L alone)
     sigma_r0 = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7])) * sig[None, :]
 
     def chol(S: jax.Array) -> jax.Array:
@@ -780,7 +793,7 @@ def mean_profile_fit(cat: Catalog, g: np.ndarray, rad: Radial) -> np.ndarray:
         def G(v: np.ndarray) -> np.ndarray:
             """``(w_l . v)_l`` (``v``: ``(n_bins,)`` or ``(n_bins, k)``), ``w_l`` made for a block of lines
             at a time: never the whole ``(n_lines, n_bins)`` matrix (223 GB at 54M lines)."""
-            return np.concatenate([(g64[lo : lo + block] @ Vt) @ v for lo in range(0, len(g64), block)])
+            return np.concatenate([(g64[sl] @ Vt) @ v for sl in blocks(len(g64), block)])
 
         def level(v: np.ndarray) -> float:
             m = G(v)
@@ -850,10 +863,10 @@ def _line_sums(g: np.ndarray, iv: np.ndarray, y: np.ndarray, block: int = 1 << 2
     """``sum_l iv_l g_l g_l^T`` and ``sum_l iv_l y_l g_l`` in float64, a block of lines at a time."""
     J = g.shape[1]
     M, m = np.zeros((J, J)), np.zeros(J)
-    for lo in range(0, len(g), block):
-        gb = g[lo : lo + block].astype(np.float64)
-        M += gb.T @ (gb * iv[lo : lo + block, None])
-        m += gb.T @ (iv[lo : lo + block] * y[lo : lo + block])
+    for sl in blocks(len(g), block):
+        gb = g[sl].astype(np.float64)
+        M += gb.T @ (gb * iv[sl, None])
+        m += gb.T @ (iv[sl] * y[sl])
     return M, m
 
 
@@ -1198,22 +1211,30 @@ def _pixel_evidence_fit(
 #: the default size, where the free fit stopped on the ridge).
 PIXEL_FREE = ("b", "c", "log_amp", "log_amp0", "log_ell_r", "q2")
 
+#: the bounds that are an answer, not the edge of a search range, by name: (lower, upper) with True for
+#: an answer; :func:`at_bounds` warns of the others. ``q2 = 0`` is the model without the short radial
+#: component (the two smooth-profile truths learn it)
+ANSWER_BOUNDS = {"q2": (True, False)}
+
 #: what the posterior's summaries may be trusted for: a pixel's column is "constrained" when the data
 #: cut its prior sd by at least this factor
 CONSTRAINED = 2.0
 
 
 def at_bounds(theta: np.ndarray, bounds: list) -> list:
-    """The hyperparameters within 1e-3 of their range of a bound, for the fit's warnings; not ``q2 = 0``,
-    the model without the short radial component (an answer, not the edge of a search range).
+    """The hyperparameters within 1e-3 of their range of a bound, for the fit's warnings; not at a bound
+    that :data:`ANSWER_BOUNDS` names (``q2 = 0``, the model without the short radial component).
 
     Example:
         >>> at_bounds(np.zeros(len(NAMES)), [(0.0, 1.0)] * len(NAMES))
         ['a', 'b', 'c', 'log_amp', 'log_amp0', 'log_ell_xy', 'log_slope', 'log_ell_r']
     """
-    return [
-        n for n, t, (a, b) in zip(NAMES, theta, bounds) if min(np.inf if n == "q2" else t - a, b - t) < 1e-3 * (b - a)
-    ]
+    near = []
+    for n, t, (a, b) in zip(NAMES, theta, bounds):
+        answer_lo, answer_hi = ANSWER_BOUNDS.get(n, (False, False))
+        if (not answer_lo and t - a < 1e-3 * (b - a)) or (not answer_hi and b - t < 1e-3 * (b - a)):
+            near.append(n)
+    return near
 
 
 def reconstruct(
@@ -1377,7 +1398,7 @@ def reconstruct(
 def _rows_times(a: jax.Array, b: np.ndarray, block: int = 1 << 16) -> np.ndarray:
     """``a @ b`` in float64, a block of ``a``'s rows at a time (no float64 copy of all of ``a``: 3.2 GB
     for the users' 786432 x 516 sky)."""
-    return np.concatenate([np.asarray(a[lo : lo + block], np.float64) @ b for lo in range(0, a.shape[0], block)])
+    return np.concatenate([np.asarray(a[sl], np.float64) @ b for sl in blocks(a.shape[0], block)])
 
 
 def _level(cat: Catalog, m: np.ndarray) -> float:
