@@ -53,7 +53,10 @@ def main() -> None:
     for n_bins in (516, 512):
         edges = np.geomspace(40.0, 1700.0, n_bins + 1)
         x = jnp.asarray(np.random.default_rng(2).random((a.n_pix, n_bins)), jnp.float32)
-        row_major = Format(Layout(major_to_minor=(0, 1)), jax.sharding.SingleDeviceSharding(dev))
+        row_major = Format(
+            Layout(major_to_minor=(0, 1)),
+            getattr(jax.sharding, "make_single_device_sharding", jax.sharding.SingleDeviceSharding)(dev),
+        )
         for layout in ("plain", "windowed"):
             A = chunkop.RowOperator(
                 one_los(edges), rows, jax.ShapeDtypeStruct(x.shape, x.dtype), chunk_size=a.chunk, layout=layout
