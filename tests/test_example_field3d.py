@@ -243,6 +243,17 @@ def test_tiny_standard_reconstruction_from_the_cli(tiny_standard):
     assert h["fit"]["pixelwise_theta"][0] == h["theta"][0]
 
 
+def test_hyper_oracle_resolves_the_learned_map_and_never_does_worse():
+    # hyper_oracle.py (a diagnostic) solves the posterior again from what field3d.reconstruct(keep=)
+    # hands back: at the learned theta that is the reconstruction's own map, and the search starts there
+    import hyper_oracle
+
+    r = hyper_oracle.tune("compact_clouds", "tiny", evals=12, log=lambda m: None)
+    assert r["learned_ratio_resolved"] == pytest.approx(r["learned_ratio"], rel=1e-6)
+    assert r["tuned_ratio"] <= r["learned_ratio"] and 1 < r["solves"] <= 14
+    assert 0.0 <= r["tuned_near_share"] <= 1.0 and len(r["tuned_theta"]) == len(field3d.NAMES)
+
+
 def test_bounded_compression_keeps_the_leading_vectors_exactly(monkeypatch):
     # many lines: compress_lines computes MAX_BASIS radial vectors per line, not all n_bins; the
     # leading columns, w . 1, and truncate's choice and errors are those of the full compression

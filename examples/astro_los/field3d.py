@@ -1246,6 +1246,7 @@ def reconstruct(
     learn_gradients: int = LEARN["max_gradients"],
     layout: str = "auto",
     log: Callable = print,
+    keep: dict | None = None,
 ) -> dict:
     """The 3-D prior's reconstruction of ``cat`` seen through ``response``, from the catalog alone.
 
@@ -1263,6 +1264,9 @@ def reconstruct(
         learn_gradients: the most stochastic gradients of the full evidence (0: the pixel-by-pixel fit only).
         layout: ``layout=`` of the latent operators over the lines (``chunkop.RowOperator``).
         log: where progress lines go.
+        keep: when given, gains what the posterior was solved from, for more solves at other
+            ``theta`` (:func:`posterior`; ``examples/astro_los/hyper_oracle.py``): ``"data"``, ``"rad"``,
+            ``"functionals"`` (the column's and the weighted column's bin weights), ``"theta"``, ``"bounds"``.
 
     Returns:
         ``{"mean", "std"}`` (``(n_pix, n_bins)`` float32), ``column``, ``column_std``, ``wcolumn``,
@@ -1339,6 +1343,8 @@ def reconstruct(
         dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
         t1 = time.perf_counter()
         post = posterior(theta, data, rad, np.stack([db, dib]), pairs=pairs)
+        if keep is not None:
+            keep.update(data=data, rad=rad, functionals=np.stack([db, dib]), theta=theta, bounds=bounds)
         timing["posterior_s"] = time.perf_counter() - t1
         timing.update({f"posterior_{k}": v for k, v in post["seconds"].items()})
     blocks = "every pixel" if post_grid.factor == 1 else f"blocks of {post_grid.factor} x {post_grid.factor} pixels"
