@@ -960,6 +960,32 @@ def _grid_ax(ax, fig, im, title, label):
     return a
 
 
+def _error_by_distance(ax, m: dict) -> None:
+    """The sky's error weighted by bin length per distance range (:func:`evaluate`'s ``sky_db_by_distance``):
+    the reconstruction's, the oracle profile's and the near-column reference's, side by side."""
+    ranges = m["sky_db_by_distance"]
+    x = np.arange(len(ranges))
+    top = 0.0
+    for i, (key, name) in enumerate(
+        [
+            ("rel_err", "reconstruction"),
+            ("rel_err_oracle", "oracle profile"),
+            ("rel_err_near_column", "near-column reference"),
+        ]
+    ):
+        ax.bar(x + (i - 1) * 0.27, [b[key] for b in ranges], 0.27, label=name)
+        top = max(top, *(b[key] for b in ranges))
+    ax.set_ylim(0, 1.7 * top)  # (room for the legend above the bars)
+    ax.set_xticks(x, [f"{b['range_pc'][0]:.0f}-{b['range_pc'][1]:.0f}" for b in ranges], fontsize=7)
+    ax.set_xlabel("distance range (pc)")
+    ax.set_ylabel("sky error / |truth| in the range")
+    ax.set_title(
+        f"sky error by distance, weighted by bin length\n(the near-column reference is exact beyond {NEAR_PC:.0f} pc)",
+        fontsize=8,
+    )
+    ax.legend(fontsize=7, loc="upper right")
+
+
 def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     """``sky_maps.png``, ``profile.png``, ``residuals.png``; every number shown is taken from the
     run's ``summary`` / evaluation metrics."""
@@ -971,7 +997,7 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     db_label = "sum_k sky_k (b_k+1 - b_k)  [density x pc]"
     wb_label = "sum_k sky_k (1/b_k - 1/b_k+1)  [density / pc]"
     maps = [
-        ("1/r^2-weighted column (what the lines measure)", rec["wcolumn"], wb_label),
+        ("1/r^2-weighted column\n(what the lines measure)", rec["wcolumn"], wb_label),
         ("distance-integrated column", rec["column"], db_label),
         (f"density in the bin at r = {r[k1]:.0f} pc", rec["mean"][:, k1], "density"),
     ]
@@ -990,9 +1016,9 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
         m = truth["metrics"]
         tmaps = [truth["truth_wcolumn"], truth["truth_column"], None]
         errs = [
-            f"error |rec - truth| / |truth| = {m['rel_err_wcolumn']:.4f} "
+            f"1/r^2-weighted column: error |rec - truth| / |truth|\n= {m['rel_err_wcolumn']:.4f} "
             f"(oracle profile {m['rel_err_wcolumn_oracle']:.4f})",
-            f"error |rec - truth| / |truth| = {m['rel_err_column']:.4f} "
+            f"distance-integrated column: error |rec - truth| / |truth|\n= {m['rel_err_column']:.4f} "
             f"(oracle profile {m['rel_err_column_oracle']:.4f})",
             None,
         ]
@@ -1006,11 +1032,15 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
             axes[2, j].set_ylabel("y (pixel)")
             fig.colorbar(a, ax=axes[2, j], shrink=0.8, label="(reconstruction - truth) / truth")
         axes[1, 2].axis("off")
-        axes[2, 2].axis("off")
+        _error_by_distance(axes[2, 2], m)
         axes[1, 2].text(
             0.0,
             0.5,
-            f"sky (all bins): error {m['rel_err_sky']:.4f}\noracle radial profile: {m['rel_err_sky_oracle']:.4f}\n"
+            f"sky, weighted by bin length: error {m['rel_err_sky_db']:.4f}\n"
+            f"  oracle radial profile {m['rel_err_sky_db_oracle']:.4f} "
+            f"({m['rel_err_sky_db'] / m['rel_err_sky_db_oracle']:.2f}x)\n"
+            f"sky, every bin alike: error {m['rel_err_sky']:.4f}\n"
+            f"  oracle radial profile {m['rel_err_sky_oracle']:.4f}\n"
             f"chi2 per line {m['chi2_per_line']:.3f}"
             + (
                 f"\ncolumns within 2 sd: {100 * m['column_within_2sd']:.1f}%\n"
