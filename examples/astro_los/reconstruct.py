@@ -1077,8 +1077,14 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     ax.set_xlabel("distance r (pc)")
     ax.set_ylabel("density (sky units)")
     h = rec["hyper"]
+    along = (
+        f"\nalong the line {h['ell_r_pc']:.0f} pc and {field3d.SHORT_PC:.0f} pc with q {h['q']:.2f}"
+        if "ell_r_pc" in h  # (the 3-D prior's: the standard response)
+        else ""
+    )
     ax.set_title(
-        f"learned: field sd {h['amp']:.3f}, correlation length {h['ell_pixels']:.1f} px, slope {h['slope']:.2f}",
+        f"learned: field sd {h['amp']:.3f} x mean; correlation on the sky {h['ell_pixels']:.1f} px "
+        f"(slope {h['slope']:.2f}){along}",
         fontsize=9,
     )
     ax.legend(fontsize=8)
