@@ -1038,7 +1038,7 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
             0.5,
             f"sky, weighted by bin length: error {m['rel_err_sky_db']:.4f}\n"
             f"  oracle radial profile {m['rel_err_sky_db_oracle']:.4f} "
-            f"({m['rel_err_sky_db'] / m['rel_err_sky_db_oracle']:.2f}x)\n"
+            f"({m['rel_err_sky_db'] / max(m['rel_err_sky_db_oracle'], 1e-300):.2f}x)\n"
             f"sky, every bin alike: error {m['rel_err_sky']:.4f}\n"
             f"  oracle radial profile {m['rel_err_sky_oracle']:.4f}\n"
             f"chi2 per line {m['chi2_per_line']:.3f}"
