@@ -55,7 +55,11 @@ def main() -> None:
         x = jnp.asarray(np.random.default_rng(2).random((a.n_pix, n_bins)), jnp.float32)
         row_major = Format(
             Layout(major_to_minor=(0, 1)),
-            getattr(jax.sharding, "make_single_device_sharding", jax.sharding.SingleDeviceSharding)(dev),
+            (
+                jax.sharding.make_single_device_sharding
+                if hasattr(jax.sharding, "make_single_device_sharding")  # (jax 0.12 deprecates the class's use)
+                else jax.sharding.SingleDeviceSharding
+            )(dev),
         )
         for layout in ("plain", "windowed"):
             A = chunkop.RowOperator(
