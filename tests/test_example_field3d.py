@@ -609,12 +609,34 @@ def test_pixel_evidence_fit_reaches_the_box_constrained_optimum(monkeypatch):
     np.testing.assert_allclose(got, ref, atol=1e-4)
 
 
-def test_field3d_docstring_examples_pass():
-    # the module's docstring examples (blocks, radial_correlation, at_bounds, ...) are part of its docs
+@pytest.mark.parametrize("module, examples", [("field3d", 4), ("hyper_oracle", 1)])
+def test_example_docstring_examples_pass(module, examples):
+    # the modules' docstring examples (blocks, radial_correlation, at_bounds, ratio, ...) are part of their docs
     import doctest
+    import importlib
 
-    failed, attempted = doctest.testmod(field3d, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert attempted >= 4 and failed == 0
+    mod = importlib.import_module(module)
+    failed, attempted = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert attempted >= examples and failed == 0
+
+
+def test_hyper_oracle_ratio_is_evaluates_figure():
+    # the diagnostic's score is the families' table's: evaluate's weighted sky error over the oracle's,
+    # and the share of error in the ranges in front of NEAR_PC
+    import hyper_oracle
+
+    rng = np.random.default_rng(7)
+    b = los.bin_edges(24)
+    pix, d, s = los.draw_stars(200, 12, rng)
+    cat = catalog.validate_catalog(dict(pix=pix, d=d, s=s, y=np.ones(200), sigma=np.ones(200), nx=4, ny=3, edges=b))
+    sky = rng.lognormal(size=(12, 24)).astype(np.float32)
+    mean = (sky * rng.lognormal(0.0, 0.3, size=sky.shape)).astype(np.float32)
+    rec = {"mean": mean, "column": mean @ np.diff(b), "wcolumn": mean @ (1 / b[:-1] - 1 / b[1:])}
+    m = reconstruct.evaluate(cat, rec | {"summary": {"chi2_per_line": 1.0}}, sky)["metrics"]
+    got, near_share = hyper_oracle.ratio(mean, sky, np.diff(b), cat.centres < reconstruct.NEAR_PC)
+    assert got == pytest.approx(m["rel_err_sky_db"] / m["rel_err_sky_db_oracle"], rel=1e-6)
+    shares = [r["share_of_error"] for r in m["sky_db_by_distance"] if r["range_pc"][1] <= reconstruct.NEAR_PC]
+    assert len(shares) == 2 and near_share == pytest.approx(sum(shares), rel=1e-6)
 
 
 def test_blocks_cover_the_range_once_in_whole_multiples():
@@ -625,7 +647,7 @@ def test_blocks_cover_the_range_once_in_whole_multiples():
         assert all(b.stop - b.start == max(multiple, block // multiple * multiple) for b in got[:-1])
 
 
-def test_q2_at_zero_is_not_a_bound_warning():
+def test_q2_at_zero_is_not_a_bound_warning(monkeypatch):
     # q2 = 0 is the model without the short radial component; at its upper bound it is reported
     bounds = [(-1.0, 1.0)] * len(field3d.NAMES)
     bounds[field3d.NAMES.index("q2")] = (0.0, 10.0)
@@ -635,16 +657,11 @@ def test_q2_at_zero_is_not_a_bound_warning():
     theta[field3d.NAMES.index("a")] = -1.0
     assert field3d.at_bounds(theta, bounds) == ["a", "q2"]
     # the table, not the name: an answer at the upper bound is not reported either
-    tab = dict(field3d.ANSWER_BOUNDS)
-    try:
-        field3d.ANSWER_BOUNDS["q2"] = (True, True)
-        assert field3d.at_bounds(theta, bounds) == ["a"]
-        field3d.ANSWER_BOUNDS["q2"] = (False, False)
-        theta[field3d.NAMES.index("q2")] = 0.0
-        assert field3d.at_bounds(theta, bounds) == ["a", "q2"]
-    finally:
-        field3d.ANSWER_BOUNDS.clear()
-        field3d.ANSWER_BOUNDS.update(tab)
+    monkeypatch.setitem(field3d.ANSWER_BOUNDS, "q2", (True, True))
+    assert field3d.at_bounds(theta, bounds) == ["a"]
+    monkeypatch.setitem(field3d.ANSWER_BOUNDS, "q2", (False, False))
+    theta[field3d.NAMES.index("q2")] = 0.0
+    assert field3d.at_bounds(theta, bounds) == ["a", "q2"]
 
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])

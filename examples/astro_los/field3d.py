@@ -1342,9 +1342,10 @@ def reconstruct(
         db = np.diff(cat.edges)
         dib = 1.0 / cat.edges[:-1] - 1.0 / cat.edges[1:]
         t1 = time.perf_counter()
-        post = posterior(theta, data, rad, np.stack([db, dib]), pairs=pairs)
+        functionals = np.stack([db, dib])
+        post = posterior(theta, data, rad, functionals, pairs=pairs)
         if keep is not None:
-            keep.update(data=data, rad=rad, functionals=np.stack([db, dib]), theta=theta, bounds=bounds)
+            keep.update(data=data, rad=rad, functionals=functionals, theta=theta, bounds=bounds)
         timing["posterior_s"] = time.perf_counter() - t1
         timing.update({f"posterior_{k}": v for k, v in post["seconds"].items()})
     blocks = "every pixel" if post_grid.factor == 1 else f"blocks of {post_grid.factor} x {post_grid.factor} pixels"
