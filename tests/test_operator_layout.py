@@ -412,3 +412,35 @@ def test_many_rows_into_one_entry_round_no_worse_than_jax(layout):
         A = chunkop.RowOperator(row_fn, rows, jax.ShapeDtypeStruct(x.shape, x.dtype), chunk_size=chunk, layout=layout)
         assert err(A.T.mv(jnp.asarray(y))) <= 1.5 * jax_err, chunk
         assert err(jax.grad(lambda x: A.mv(x) @ jnp.asarray(y))(x)) <= 1.5 * jax_err, chunk
+
+
+def test_auto_on_a_tpu_keeps_the_plain_layout_below_its_bounds(monkeypatch):
+    """``"auto"`` with the TPU's measured platform (``PLATFORMS["tpu"]``): an ``x`` below its
+    ``min_x_bytes`` read by fewer rows than its ``min_rows`` (rows of 200: an unaligned last axis,
+    as the astro families' latent fields of 24 and 24 x 24) keeps the plain layout and is not
+    sorted, with the plain layout's values; at either bound the rows are sorted; and the unaligned
+    rule keeps windows that the size rule alone would drop (``max_window_per_row``)."""
+    from chunkop._operator import row_layout
+
+    tpu = row_layout.PLATFORMS["tpu"]
+    monkeypatch.setattr(row_layout, "platform", lambda: tpu)
+    assert (tpu.min_x_bytes, tpu.min_rows, tpu.unaligned) == (32 << 20, 2 << 20, 128)
+    k, npix = 200, 4096
+    case = make_windowed(n=2 * npix, npix=npix, chunk=256, targets="random", k=k)
+    A, P = case.op(layout="auto"), plain_of(case)
+    assert A.row_order is None and A.layout is None
+    x, y = case.x(), case.y()
+    assert_tree_allclose(A.mv(x), P.mv(x), n_terms=1)
+    assert_tree_allclose(A.T.mv(y), P.T.mv(y), n_terms=16)
+    reads = A.spec.reads
+    for pixels, n_rows, sorts in (
+        (tpu.min_x_bytes // (4 * k) - 1, tpu.min_rows - 1, False),
+        (-(-tpu.min_x_bytes // (4 * k)), tpu.min_rows - 1, True),
+        (npix, tpu.min_rows, True),
+    ):
+        leaf = jax.ShapeDtypeStruct((pixels, k), jnp.float32)
+        assert row_layout.worth_sorting(reads, (leaf,), n_rows) == sorts, (pixels, n_rows)
+    leaf = jax.ShapeDtypeStruct((1 << 20, 24), jnp.float32)
+    assert row_layout.use_windows("auto", (4096,), (leaf,), chunk=1024)  # 4 rows of x a row: unaligned keeps them
+    aligned = jax.ShapeDtypeStruct((1 << 20, 128), jnp.float32)
+    assert not row_layout.use_windows("auto", (4096,), (aligned,), chunk=1024)

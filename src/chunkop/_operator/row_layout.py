@@ -88,7 +88,10 @@ class Platform:
         min_x_bytes: ``"auto"`` keeps the plain layout, without sorting the rows or compiling
             the windowed programs, while the leaves of ``x`` that ``row_fn`` reads hold fewer
             bytes than this: where a gather of rows from ``x`` stays in cache, windows gain
-            little and their first call costs more.
+            little and their first call costs more ...
+        min_rows: ... and, where given, the rows are fewer than this (None: the bytes alone
+            decide): where the plain layout's scatter of a few rows is fast, the windows' compile
+            in the first call outweighs what they gain per call.
     """
 
     windows: bool
@@ -96,6 +99,7 @@ class Platform:
     max_window_per_row: float | None = None
     unaligned: int = 0
     min_x_bytes: int = 0
+    min_rows: int | None = None
 
 
 # Measured (benchmarks/explore_window.py, bench_layout.py; benchmarks/RESULTS.md, "Windowed
@@ -114,10 +118,21 @@ class Platform:
 # lines): at 0.5-1 MB of x the windows took 0.93-1.02x the plain layout's time warm, at 5-10 MB
 # 0.85-0.94x, at 51-102 MB 0.54-0.92x; a NIFTy.re client on a 0.5 MB sky (bench_vi.py) ran 1.16x
 # jax.vmap with them and 1.06x without (their sort and compile in its first call): 2 MiB is the
-# bound. GPUs were never measured: the plain layout there (layout="windowed" forces the windows,
-# read by a gather).
+# bound. TPU v5e, data_on's latent operators in the astro example (benchmarks/explore_small_catalog.py,
+# results/tpu/small_catalog_s30_*): x of 3072 x 24 (0.3 MB) and 3072 x 24 x 24 (7.1 MB) floats under
+# 131072 lines, where the unaligned rule chose windows: their first call took 28-30 s (the rows'
+# permutation compiled in 8.6 + 10.1 s, the windowed transpose in 10.5 s) for the plain layout's
+# 0.5-1.1 s, and ran 4x slower (0.126 vs 0.031 s); x of 4.7 MB, 113 MB and 453 MB under 1M-2M lines:
+# the windows' first calls 27-32 s (plain: 2.1-2.3 s) and, warm, A^T of the 4.7 MB x 2x faster
+# (5.4 vs 11 ms) and data_on's two operators with the 113 and 453 MB x windowed as fast as plain
+# (0.153 vs 0.150 s, 0.316 vs 0.309 s). So on a TPU "auto" keeps the plain layout below 32 MiB of
+# x and 2M rows; the 54M-line job's operators (a 1.6 GB sky, whose windows won; latent fields under
+# passes of 4.1M lines) keep the windows they ran with. GPUs were never measured: the plain layout
+# there (layout="windowed" forces the windows, read by a gather).
 PLATFORMS: dict[str, Platform] = {
-    "tpu": Platform(windows=True, onehot_max=128, max_window_per_row=1.0, unaligned=128),
+    "tpu": Platform(
+        windows=True, onehot_max=128, max_window_per_row=1.0, unaligned=128, min_x_bytes=32 << 20, min_rows=2 << 20
+    ),
     "cpu": Platform(windows=True, max_window_per_row=0.6, min_x_bytes=2 << 20),
 }
 MIN_ONEHOT_CHUNK = 1024
@@ -277,12 +292,14 @@ def read_bytes(reads: Reads, x_leaves: tuple) -> int:
     return sum(int(np.prod(x_leaves[i].shape)) * np.dtype(x_leaves[i].dtype).itemsize for i in set(reads.leaves))
 
 
-def worth_sorting(reads: Reads, x_leaves: tuple) -> bool:
-    """Whether ``layout="auto"`` sorts the rows at all on this platform (before the windows are
-    known, :func:`use_windows`): it reads windows, and ``x``'s leaves read are not below its
-    ``min_x_bytes``."""
+def worth_sorting(reads: Reads, x_leaves: tuple, n_rows: int) -> bool:
+    """Whether ``layout="auto"`` sorts the ``n_rows`` rows at all on this platform (before the
+    windows are known, :func:`use_windows`): it reads windows, and ``x``'s leaves read are not
+    below its ``min_x_bytes`` or the rows not below its ``min_rows``."""
     measured = platform()
-    return measured.windows and read_bytes(reads, x_leaves) >= measured.min_x_bytes
+    small = read_bytes(reads, x_leaves) < measured.min_x_bytes
+    few = measured.min_rows is None or n_rows < measured.min_rows
+    return measured.windows and not (small and few)
 
 
 def use_windows(layout: str, windows: tuple, x_leaves: tuple, chunk: int) -> bool:

@@ -644,7 +644,10 @@ def _windowed(
         why = "`row_fn` reads `x` otherwise than as whole rows (x[i], x[i:i + k] along each leaf's leading axis)"
     elif any(s.shape and is_symbolic(s.shape[0]) for s in spec.in_leaves):
         why = "`x`'s leaves of concrete sizes (jax.export's symbolic sizes cannot be windowed)"
-    if not forced and (why is not None or not row_layout.worth_sorting(spec.reads, spec.in_leaves)):
+    if not forced and (
+        why is not None
+        or not row_layout.worth_sorting(spec.reads, spec.in_leaves, jax.tree_util.tree_leaves(rows)[0].shape[0])
+    ):
         return None  # "auto": the plain layout, unsorted, where the platform's measurements say so
     if why is None:
         x_sizes = tuple(int(s.shape[0]) if s.shape else 0 for s in spec.in_leaves)
