@@ -1,7 +1,7 @@
 """Truth families the example's generator (``los.make_problem``) does not draw, written as catalogs.
 
     python examples/astro_los/families.py [--size tiny|default] [--out DIR] [--family NAME ...] [--run]
-        [--references oracle scale2x] [--response standard|seed] [--with-default]
+        [--references oracle scale2x] [--response standard|seed] [--with-default] [--prior auto|gaussian|lognormal]
 
 Each family writes ``DIR/NAME.npz`` (a catalog in the documented format, ``catalog.py``) and
 ``DIR/NAME.truth.npz`` (the true sky, ``sky``: ``(nx * ny, n_bins)``). ``--run`` then reconstructs
@@ -224,12 +224,19 @@ def main(argv=None) -> dict:
         help="with --run: also run the built-in synthetic job of --size (reconstruct.py --size SIZE --response "
         "RESPONSE, out DIR/default) and record it first, as 'default (synthetic)'",
     )
+    p.add_argument(
+        "--prior",
+        default="auto",
+        help="with --run: the standard response's prior (reconstruct.py --prior; default auto)",
+    )
     a = p.parse_args(argv)
     results = {}
     if a.run and a.with_default:
         import reconstruct
 
-        res = reconstruct.run(a.size, out=os.path.join(a.out, "default"), samples=a.samples, response=a.response)
+        res = reconstruct.run(
+            a.size, out=os.path.join(a.out, "default"), samples=a.samples, response=a.response, prior=a.prior
+        )
         results["default (synthetic)"] = res["summary"]
     for name in a.family:
         cat_path, truth_path = write_family(name, a.out, a.size, response=a.response)
@@ -238,6 +245,7 @@ def main(argv=None) -> dict:
             import reconstruct
 
             args = ["--data", cat_path, "--truth", truth_path, "--samples", str(a.samples), "--response", a.response]
+            args += ["--prior", a.prior]
             results[name] = reconstruct.main([*args, "--out", os.path.join(a.out, name)])
             for ref in a.references:
                 profile_path = os.path.join(a.out, f"{name}.{ref}.npy")
@@ -247,7 +255,12 @@ def main(argv=None) -> dict:
                 results[f"{name}_{ref}"] = reconstruct.main([*args, "--profile", profile_path, "--out", out])
     if a.run:
         with open(os.path.join(a.out, "families_results.json"), "w") as f:
-            json.dump({"size": a.size, "response": a.response, "families": results}, f, indent=1, default=float)
+            json.dump(
+                {"size": a.size, "response": a.response, "prior": a.prior, "families": results},
+                f,
+                indent=1,
+                default=float,
+            )
     return results
 
 

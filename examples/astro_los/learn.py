@@ -396,7 +396,7 @@ def learn_hyperparameters(
 # -- the posterior at full resolution -------------------------------------------------------------
 
 
-def _pcg(H: Callable, M: Callable, b: jax.Array, iters: int, rtol: float):
+def pcg(H: Callable, M: Callable, b: jax.Array, iters: int, rtol: float):
     """Preconditioned CG for ``H x = b`` from 0 (a ``lax.while_loop``); returns (x, steps, rel. residual)."""
     z = M(b)
     rz0 = jnp.vdot(b, z)
@@ -457,7 +457,7 @@ def posterior(
     def solve(rhs):
         scale = jnp.sqrt(jnp.sum(rhs * rhs))
         H = lambda xi: xi + filt(Dj * filt(xi, sq), sq)
-        xi, k, rel = _pcg(H, lambda r: filt(r, pre), rhs / scale, iters, rtol)
+        xi, k, rel = pcg(H, lambda r: filt(r, pre), rhs / scale, iters, rtol)
         return filt(xi, sq) * scale, k, rel
 
     b = filt(jnp.asarray(tp, jnp.float32), sq)

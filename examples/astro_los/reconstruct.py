@@ -14,11 +14,14 @@ users' literal ``w = -diff(exp(-(d - b) / (d s b)))``).
 ``--data``: a catalog (``catalog.py``: ``pix``, ``d``, ``s``, ``y``, ``sigma`` per line; ``nx``,
 ``ny``, ``edges``) is validated and reconstructed by :func:`reconstruct_catalog`, which sees
 nothing else. Standard response: a 3-D Gaussian-field prior whose hyperparameters are learned from
-the catalog by the evidence (``field3d.py``, :func:`reconstruct_standard`). Seed response: the
+the catalog by the evidence (``field3d.py``, :func:`reconstruct_standard`), then, where the whole sky
+fits (``--prior auto``, the default; ``lognormal.MAX_CELLS``), a positive field on those
+hyperparameters (``lognormal.py``): its mode is the map, with linearised Laplace errors. Seed response: the
 radial-shape prior's hyperparameters (radial profile level and shape, plane-of-sky field sd,
 correlation length and spectral slope) are learned by type-II maximum likelihood (``learn.py``).
-The posterior mean and samples are solved, and ``posterior_mean.npy``, ``posterior_std.npy``,
-``column_std.npy``, ``summary.json`` and figures are written to ``--out``. ``--truth`` adds the
+The posterior mean (the log-normal prior's: its mode) and samples are solved, and
+``posterior_mean.npy``, ``posterior_std.npy``, ``column_std.npy``, ``summary.json`` and figures are
+written to ``--out``. ``--truth`` adds the
 comparison with a known sky (:func:`evaluate`).
 
 Without ``--data`` (the synthetic job): ``--size``'s built-in data are written as a catalog
@@ -110,6 +113,7 @@ from jax.sharding import PartitionSpec as PSpec  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import field3d  # noqa: E402
 import learn  # noqa: E402
+import lognormal  # noqa: E402
 import los  # noqa: E402
 from catalog import Catalog, CatalogError, load_catalog, write_catalog  # noqa: E402
 
@@ -311,6 +315,7 @@ def reconstruct_catalog(
     evidence_pixels: int | None = None,
     response: str | None = None,
     layout: str = "auto",
+    prior: str = "auto",
 ) -> dict:
     """Reconstruct the sky from a :class:`catalog.Catalog` alone (the only data it is given), and
     from a reference radial profile (``(n_bins,)`` densities: the prior's mean shape) if one is given.
@@ -327,6 +332,7 @@ def reconstruct_catalog(
     catalog's, else ``"standard"``). ``"standard"`` is reconstructed with the 3-D prior
     (:func:`reconstruct_standard`, ``field3d.py``); ``"seed"`` with the radial-shape prior described above.
     ``layout``: ``layout=`` of every operator over the lines (``chunkop.RowOperator``; ``--layout``).
+    ``prior``: the standard response's prior (:func:`reconstruct_standard`; ``--prior``).
     """
     response = resolve_response(cat, response)
     if response == "standard":
@@ -334,7 +340,9 @@ def reconstruct_catalog(
             raise ValueError(
                 "--profile / --profile-sd apply to --response seed only (the 3-D prior learns its profile)"
             )
-        return reconstruct_standard(cat, out, samples=samples, chunk=chunk, figures=figures, mesh=mesh, layout=layout)
+        return reconstruct_standard(
+            cat, out, samples=samples, chunk=chunk, figures=figures, mesh=mesh, layout=layout, prior=prior
+        )
     t0 = time.perf_counter()
     summ = _catalog_summary(cat, "seed")
     V, sv = learn.radial_basis(cat)
@@ -429,13 +437,24 @@ def reconstruct_standard(
     figures: bool = True,
     mesh: jax.sharding.Mesh | None = None,
     layout: str = "auto",
+    prior: str = "auto",
 ) -> dict:
     """The standard response's reconstruction with the 3-D prior (``field3d.reconstruct``): the same
     outputs as :func:`reconstruct_catalog`'s, with ``column_std`` from posterior samples (bin
-    correlations included) and warnings where the data do not constrain what is reported."""
+    correlations included) and warnings where the data do not constrain what is reported.
+
+    ``prior``: ``"gaussian"``, the Gaussian field (``field3d``); ``"lognormal"``, the positive field
+    of ``lognormal.py`` on the same learned hyperparameters and statistics (its mode, with linearised
+    Laplace errors), which holds the whole sky (every pixel, at most ``lognormal.MAX_CELLS`` cells);
+    ``"auto"``: the log-normal one where it fits, else the Gaussian one."""
+    if prior not in PRIORS:
+        raise ValueError(f"prior must be one of {PRIORS}, got {prior!r}")
     t0 = time.perf_counter()
     summ = _catalog_summary(cat, "standard")
-    r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, layout=layout, log=log)
+    kept: dict = {}
+    r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, layout=layout, log=log, keep=kept)
+    r = _with_prior(r, kept, prior, samples)
+    summ["prior"] = r["prior"]
     summ["radial_basis"] = r["basis"]
     summ["hyperparameters"] = r["hyper"]
     summ["posterior"] = r["posterior"]
@@ -461,6 +480,50 @@ def reconstruct_standard(
     if out:
         write_outputs(out, cat, rec, figures=figures)
     return rec
+
+
+PRIORS = ("auto", "gaussian", "lognormal")
+
+
+def _with_prior(r: dict, kept: dict, prior: str, samples: int) -> dict:
+    """``field3d.reconstruct``'s result ``r``, or with ``prior`` ``"lognormal"`` (``"auto"``: where it
+    fits) the log-normal prior's map and errors in its place (``lognormal.posterior`` on what ``r``'s
+    posterior was solved from, ``kept``); ``r["prior"]`` says which, and why."""
+    data = kept["data"]
+    cells = data.grid.size * kept["rad"].r.shape[0]
+    fits = data.grid.factor == 1 and cells <= lognormal.MAX_CELLS
+    if prior == "gaussian" or (prior == "auto" and not fits):
+        why = "asked" if prior == "gaussian" else f"the log-normal one holds at most {lognormal.MAX_CELLS} cells"
+        return r | {"prior": {"name": "gaussian", "why": why}}
+    t0 = time.perf_counter()
+    with jax.enable_x64(True):
+        post = lognormal.posterior(
+            kept["theta"], data, kept["rad"], kept["functionals"], pairs=min(lognormal.PAIRS, max(1, -(-samples // 2)))
+        )
+    seconds = time.perf_counter() - t0
+    log(
+        f"log-normal prior: the mode in {len(post['newton'])} Gauss-Newton steps ({post['seconds']['map_s']:.1f}s), "
+        f"{2 * len(post['sample_cg_steps'])} linearised Laplace samples (CG <= {max(post['sample_cg_steps'])} steps, "
+        f"{post['seconds']['samples_s']:.1f}s)"
+    )
+    out = dict(r)
+    out.update(
+        mean=post["mean"],
+        std=post["std"],
+        column=post["fmean"][:, 0],
+        column_std=post["fstd"][:, 0],
+        wcolumn=post["fmean"][:, 1],
+        wcolumn_std=post["fstd"][:, 1],
+    )
+    out["timings"] = dict(r["timings"], lognormal_s=seconds)
+    out["prior"] = {
+        "name": "lognormal",
+        "newton_steps": len(post["newton"]),
+        "newton_energy": post["newton"][-1][1],
+        "sample_cg_steps": post["sample_cg_steps"],
+        "seconds": post["seconds"],
+    }
+    return out
 
 
 #: a radial bin is reported as unconstrained when its median posterior sd exceeds this fraction of the prior's
@@ -792,6 +855,7 @@ def run(
     n_los: int | None = None,
     layout: str = "auto",
     demos: bool = True,
+    prior: str = "auto",
 ) -> dict:
     """The built-in synthetic job: writes ``--size``'s catalog (``out/catalog.npz``), measures the
     operator, reconstructs the sky from the catalog file alone (:func:`reconstruct_catalog`) and
@@ -802,6 +866,7 @@ def run(
     lines (default: the size's; the sky is the size's either way). ``layout``: ``layout=`` of every
     operator over the lines (``--layout``). ``demos=False`` (``--no-demos``): skip the operator's
     measurements (its calls' seconds and compiled memory, ``check_linear``, the s-scale demo).
+    ``prior``: the standard response's prior (:func:`reconstruct_standard`; ``--prior``).
     """
     mesh = device_mesh(devices) if devices is not None else None
     tmp = None if out else tempfile.TemporaryDirectory()
@@ -812,7 +877,7 @@ def run(
             )
         # the reconstruction (outside the mesh: only its final fit check uses the sharded operator)
         return _reconstruct_synthetic(
-            res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels, layout
+            res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels, layout, prior
         )
     finally:
         if tmp is not None:
@@ -908,7 +973,7 @@ def _operator_demos(
 
 
 def _reconstruct_synthetic(
-    res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels, layout="auto"
+    res, P, cat_path, chunk, timings, out, figures, rtol, mesh, samples, evidence_pixels, layout="auto", prior="auto"
 ) -> dict:
     """The reconstruction from the catalog file alone, then the comparison with the truth."""
     seed = P.size == "seed"
@@ -926,6 +991,7 @@ def _reconstruct_synthetic(
         evidence_pixels=evidence_pixels,
         response=P.response,
         layout=layout,
+        prior=prior,
     )
     timings["reconstruction_s"] = time.perf_counter() - t
     ev = evaluate(cat, rec, P.truth())
@@ -1193,6 +1259,15 @@ def main(argv=None) -> dict:
         "the catalog's 'response' entry with --data, else standard",
     )
     p.add_argument(
+        "--prior",
+        default="auto",
+        choices=PRIORS,
+        help="the standard response's prior: 'gaussian' (a Gaussian 3-D field about a learned mean profile, "
+        "field3d.py), 'lognormal' (a positive field on the same learned hyperparameters, lognormal.py: its mode "
+        "and linearised errors; every pixel, at most lognormal.MAX_CELLS cells), or 'auto' (default): the "
+        "log-normal one where it fits",
+    )
+    p.add_argument(
         "--profile",
         default=None,
         metavar="PROFILE.npy",
@@ -1247,6 +1322,7 @@ def main(argv=None) -> dict:
             n_los=a.n_los,
             layout=a.layout,
             demos=not a.no_demos,
+            prior=a.prior,
         )
     try:
         cat = load_catalog(a.data)
@@ -1274,6 +1350,7 @@ def main(argv=None) -> dict:
         evidence_pixels=a.evidence_pixels,
         response=response,
         layout=a.layout,
+        prior=a.prior,
     )
     ev = None
     if a.truth:

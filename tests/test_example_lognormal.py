@@ -1,0 +1,142 @@
+"""The astro example's positive prior (examples/astro_los/lognormal.py) against dense float64 references.
+
+* the log field's prior covariance against one built here from the model's definition;
+* the energy from the per-pixel statistics against the lines' own chi2 (dense response matrix);
+* the mode (zero gradient of the dense energy) and the linearised Laplace sd of every bin and column
+  against the dense Gauss-Newton metric's inverse;
+* ``reconstruct.py --prior``: the choice, its record and its fallback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "astro_los"))
+import field3d
+import lognormal
+import reconstruct
+from test_example_field3d import _dense_lines, _latent_statistics, _small_catalog
+
+THETA = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0), 0.5])
+
+
+def _dense_log_covariance(edges: np.ndarray, theta: np.ndarray, shape: tuple) -> np.ndarray:
+    """``Cov(s)`` over (bin, pixel) in :func:`lognormal.log_sky`'s order: ``C_r (x) K_xy`` plus the
+    sky-wide mode's ``C_r0 (x) 11^T``, ``C_r = ln(1 + amp^2) R(ell_r, q^2)``, ``C_r0 = ln(1 + amp0^2)
+    R(ell_r)``, ``K_xy`` the unit-variance periodic spectrum without its zero mode."""
+    _, _, _, log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2 = theta
+    r = np.sqrt(edges[:-1] * edges[1:])
+    dr = np.abs(r[:, None] - r[None, :])
+    long = np.exp(-dr / np.exp(log_ell_r))
+    Cr = np.log1p(np.exp(2 * log_amp)) * (long + q2 * np.exp(-dr / field3d.SHORT_PC)) / (1 + q2)
+    Cr0 = np.log1p(np.exp(2 * log_amp0)) * long
+    nx, ny = shape
+    n = nx * ny
+    k2 = np.fft.fftfreq(nx)[:, None] ** 2 + np.fft.fftfreq(ny)[None, :] ** 2
+    raw = (1 + (2 * np.pi * np.exp(log_ell)) ** 2 * k2) ** -np.exp(log_slope)
+    raw[0, 0] = 0.0
+    kfun = np.real(np.fft.ifft2(raw / (raw.sum() / n)))
+    ix, iy = np.divmod(np.arange(n), ny)
+    Kxy = kfun[(ix[:, None] - ix[None, :]) % nx, (iy[:, None] - iy[None, :]) % ny]
+    return np.kron(Cr, Kxy) + np.kron(Cr0, np.ones((n, n)))
+
+
+@pytest.fixture(scope="module")
+def small():
+    nx, ny, nb = 4, 3, 12
+    cat = _small_catalog(np.random.default_rng(7), nx, ny, nb, 400, np.exp(-1.0))
+    rad, data = _latent_statistics(cat)
+    return cat, rad, data, (nx, ny)
+
+
+def test_prior_energy_mode_and_sd_match_the_dense_model(small):
+    cat, rad, data, shape = small
+    nb, n = cat.n_bins, cat.n_pix
+    A = _dense_lines(cat)
+    iv = 1.0 / cat.sigma.astype(np.float64) ** 2
+    fns = np.stack([np.diff(cat.edges), 1 / cat.edges[:-1] - 1 / cat.edges[1:]])
+    with jax.enable_x64(True):
+        P = lognormal.prior(THETA, rad, shape)
+        D, t = jnp.asarray(data.D, jnp.float64), jnp.asarray(data.t, jnp.float64)
+        zero = jnp.zeros((nb, *shape))
+        # the prior: log_sky is linear in xi, its covariance the model's
+        Jl = np.asarray(jax.jacfwd(lambda x: lognormal.log_sky(P, x).ravel())(zero)).reshape(nb * n, nb * n)
+        np.testing.assert_allclose(Jl @ Jl.T, _dense_log_covariance(cat.edges, THETA, shape), atol=1e-10)
+        np.testing.assert_allclose(np.asarray(lognormal.log_sky(P, zero))[:, 0, 0], np.asarray(P["m"]), rtol=1e-12)
+
+        def sky_rows(x):  # (n_pix * n_bins,) in the dense response's order: pixel-major
+            return jnp.exp(lognormal.log_sky(P, x)).reshape(nb, -1).T.ravel()
+
+        def dense_energy(x):
+            res = cat.y - A @ sky_rows(x)
+            return 0.5 * jnp.sum(x**2) + 0.5 * jnp.sum(iv * res**2)
+
+        rng = np.random.default_rng(0)
+        for scale in (0.0, 0.3):
+            xi = jnp.asarray(scale * rng.standard_normal((nb, *shape)))
+            got = float(lognormal.energy(P, D, t, xi)) + 0.5 * float(data.yy)
+            # (the statistics are float32 sums: relative 1e-6 of the chi2's size)
+            assert got == pytest.approx(float(dense_energy(xi)), rel=1e-5), scale
+        mode, path = lognormal.map_estimate(P, D, t, shape, nb)
+        assert path[-1][1] < path[0][0] and len(path) < lognormal.NEWTON_STEPS
+        g = np.asarray(jax.grad(dense_energy)(mode))
+        g0 = np.asarray(jax.grad(dense_energy)(zero))
+        assert np.linalg.norm(g) < 1e-3 * np.linalg.norm(g0)
+        # the linearised Laplace covariance at the mode: Js M^-1 Js^T, M = I + Jsky^T A^T N^-1 A Jsky
+        Js = np.asarray(jax.jacfwd(sky_rows)(mode)).reshape(n * nb, nb * n)
+        M = np.eye(nb * n) + Js.T @ A.T @ (iv[:, None] * A) @ Js
+        cov = Js @ np.linalg.solve(M, Js.T)
+        F = np.kron(np.eye(n), fns)
+        std_ref = np.sqrt(np.diag(cov)).reshape(n, nb)
+        fsd_ref = np.sqrt(np.diag(F @ cov @ F.T)).reshape(n, -1)
+        post = lognormal.posterior(THETA, data, rad, fns, pairs=256)
+        smode = np.asarray(sky_rows(mode)).reshape(n, nb)
+    np.testing.assert_allclose(post["mean"], smode, rtol=1e-5)
+    np.testing.assert_allclose(post["fmean"], smode @ fns.T, rtol=1e-5)
+    # 256 mirrored pairs: ~4.4% sampling error per sd (as field3d's test of its own samples)
+    np.testing.assert_allclose(post["std"], std_ref, rtol=0.18)
+    np.testing.assert_allclose(post["fstd"], fsd_ref, rtol=0.18)
+    assert abs(np.mean(post["std"] / std_ref) - 1) < 0.03
+    assert abs(np.mean(post["fstd"] / fsd_ref) - 1) < 0.03
+    assert np.all(post["mean"] > 0)  # a positive field
+
+
+def test_posterior_refuses_a_coarsened_grid_or_too_many_cells(small, monkeypatch):
+    cat, rad, data, _ = small
+    fns = np.diff(cat.edges)[None]
+    coarse = field3d.Data(D=data.D, t=data.t, yy=data.yy, log_norm=data.log_norm, grid=field3d.grid_for(4, 3, 4))
+    assert coarse.grid.factor > 1
+    with jax.enable_x64(True), pytest.raises(ValueError, match=r"holds the whole sky.*blocks of 2 x 2"):
+        lognormal.posterior(THETA, coarse, rad, fns)
+    monkeypatch.setattr(lognormal, "MAX_CELLS", cat.n_pix * cat.n_bins - 1)
+    with jax.enable_x64(True), pytest.raises(ValueError, match="at most 143 cells"):
+        lognormal.posterior(THETA, data, rad, fns)
+
+
+def test_the_prior_choice_is_recorded_and_falls_back(small, monkeypatch):
+    cat, rad, data, _ = small
+    fns = np.stack([np.diff(cat.edges), 1 / cat.edges[:-1] - 1 / cat.edges[1:]])
+    kept = {"data": data, "rad": rad, "theta": THETA, "functionals": fns}
+    n, nb = cat.n_pix, cat.n_bins
+    r = {k: np.zeros((n, nb)) for k in ("mean", "std")} | {"timings": {}}
+    assert reconstruct._with_prior(r, kept, "gaussian", 8)["prior"] == {"name": "gaussian", "why": "asked"}
+    got = reconstruct._with_prior(r, kept, "auto", 8)
+    assert got["prior"]["name"] == "lognormal" and got["mean"].shape == (n, nb) and got["column_std"].shape == (n,)
+    assert len(got["prior"]["sample_cg_steps"]) == 4  # 8 samples asked: 4 mirrored pairs
+    monkeypatch.setattr(lognormal, "MAX_CELLS", n * nb - 1)
+    assert reconstruct._with_prior(r, kept, "auto", 8)["prior"]["name"] == "gaussian"
+    with pytest.raises(ValueError, match="prior must be one of"):
+        reconstruct.reconstruct_standard(cat, prior="normal")
+
+
+def test_docstring_example_passes():
+    import doctest
+
+    failed, attempted = doctest.testmod(lognormal, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert attempted >= 1 and failed == 0
