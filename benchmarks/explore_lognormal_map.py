@@ -19,7 +19,6 @@ and the share of columns within 2 sd, beside the Gaussian prior's on the same ca
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -110,12 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pairs", type=int, default=4, help="Laplace sample pairs (default 4)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "explore_lognormal_map.json"))
     a = p.parse_args(argv)
-    res = {"jax": jax.__version__, "load": os.getloadavg(), "pairs": a.pairs}
-    res["families"] = {name: one(name, a.pairs) for name in a.family}
-    res["load_after"] = os.getloadavg()
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {a.out}")
+    families.record(a.out, {"jax": jax.__version__, "pairs": a.pairs}, a.family, lambda name: one(name, a.pairs))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -199,6 +200,18 @@ def write_family(
     )
     np.savez(truth_path, sky=sky)
     return cat_path, truth_path
+
+
+def record(out: str, header: dict, names: list, per_family: Callable[[str], dict]) -> dict:
+    """A diagnostic's record over truth families: ``header`` with the machine's load before and
+    after, ``per_family(name)`` for each of ``names`` under ``"families"``; written to ``out`` as JSON."""
+    res = dict(header, load=os.getloadavg())
+    res["families"] = {name: per_family(name) for name in names}
+    res["load_after"] = os.getloadavg()
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {out}")
+    return res
 
 
 def main(argv=None) -> dict:

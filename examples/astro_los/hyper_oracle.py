@@ -18,7 +18,6 @@ and the tuned ``theta``, their ratios, and the tuned map's share of error in fro
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -130,12 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--evals", type=int, default=150, help="posterior solves per family (default 150)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "astro_hyper_oracle.json"))
     a = p.parse_args(argv)
-    res = {"size": a.size, "names": list(field3d.NAMES), "jax": jax.__version__, "load": os.getloadavg()}
-    res["families"] = {name: tune(name, a.size, a.evals) for name in a.family}
-    res["load_after"] = os.getloadavg()
-    with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {a.out}")
+    header = {"size": a.size, "names": list(field3d.NAMES), "jax": jax.__version__}
+    families.record(a.out, header, a.family, lambda name: tune(name, a.size, a.evals))
 
 
 if __name__ == "__main__":
