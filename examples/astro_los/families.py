@@ -240,6 +240,7 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--prior",
         default="auto",
+        choices=("auto", "gaussian", "lognormal"),
         help="with --run: the standard response's prior (reconstruct.py --prior; default auto)",
     )
     a = p.parse_args(argv)

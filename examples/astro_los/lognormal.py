@@ -48,6 +48,25 @@ SAMPLE_CG = (800, 1e-3)  # ... and for a sample
 PAIRS = 4  # mirrored Laplace sample pairs at most (the explorations' 8 samples: columns within 2 sd 87.8-92.3%)
 
 
+def unfit(grid: field3d.Grid, n_bins: int) -> str | None:
+    """Why this prior cannot take ``grid`` with ``n_bins`` bins (None: it can): it holds the whole sky,
+    every pixel (no blocks) and at most :data:`MAX_CELLS` cells."""
+    nx, ny = grid.shape
+    if grid.factor == 1 and nx * ny * n_bins <= MAX_CELLS:
+        return None
+    return (
+        f"the log-normal prior holds the whole sky, {nx} x {ny} latent pixels x {n_bins} bins (blocks of "
+        f"{grid.factor} x {grid.factor}): at most {MAX_CELLS} cells of every pixel; use the Gaussian prior"
+    )
+
+
+def psd_root(D: jax.Array) -> jax.Array:
+    """Each ``D_p``'s symmetric square root (``(n_pix, J, J)``, float64 NumPy eigendecompositions;
+    directions rounded below zero count as zero): the data's noise on the statistics, ``D_p^1/2 e``."""
+    w, Q = np.linalg.eigh(np.asarray(D))
+    return jnp.asarray((Q * np.sqrt(np.maximum(w, 0))[:, None, :]) @ np.swapaxes(Q, 1, 2))
+
+
 def prior(theta: np.ndarray, rad: field3d.Radial, shape: tuple[int, int]) -> dict:
     """The log-normal field's prior, its moments matched to ``field3d``'s ``theta`` (see the module).
 
@@ -194,21 +213,16 @@ def posterior(
     """
     nx, ny = data.grid.shape
     n_bins = rad.r.shape[0]
-    if data.grid.factor != 1 or nx * ny * n_bins > MAX_CELLS:
-        raise ValueError(
-            f"the log-normal prior holds the whole sky, {nx} x {ny} latent pixels x {n_bins} bins (blocks of "
-            f"{data.grid.factor} x {data.grid.factor}): at most {MAX_CELLS} cells of every pixel; "
-            "use the Gaussian prior"
-        )
+    why = unfit(data.grid, n_bins)
+    if why is not None:
+        raise ValueError(why)
     D, t = jnp.asarray(data.D, jnp.float64), jnp.asarray(data.t, jnp.float64)
     P = prior(theta, rad, (nx, ny))
     t0 = time.perf_counter()
     xi, path = map_estimate(P, D, t, (nx, ny), n_bins)
     t1 = time.perf_counter()
-    w, Q = np.linalg.eigh(np.asarray(D))
-    root = jnp.asarray((Q * np.sqrt(np.maximum(w, 0))[:, None, :]) @ np.swapaxes(Q, 1, 2))
-    base = log_sky(P, xi)
-    sky = jnp.exp(base)
+    root = psd_root(D)
+    sky = jnp.exp(log_sky(P, xi))
     zero = log_sky(P, jnp.zeros_like(xi))
     C = np.asarray(functionals, np.float64)
     var = np.zeros((nx * ny, n_bins))

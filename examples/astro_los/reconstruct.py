@@ -490,11 +490,9 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int) -> dict:
     fits) the log-normal prior's map and errors in its place (``lognormal.posterior`` on what ``r``'s
     posterior was solved from, ``kept``); ``r["prior"]`` says which, and why."""
     data = kept["data"]
-    cells = data.grid.size * kept["rad"].r.shape[0]
-    fits = data.grid.factor == 1 and cells <= lognormal.MAX_CELLS
-    if prior == "gaussian" or (prior == "auto" and not fits):
-        why = "asked" if prior == "gaussian" else f"the log-normal one holds at most {lognormal.MAX_CELLS} cells"
-        return r | {"prior": {"name": "gaussian", "why": why}}
+    unfit = lognormal.unfit(data.grid, kept["rad"].r.shape[0])
+    if prior == "gaussian" or (prior == "auto" and unfit is not None):
+        return r | {"prior": {"name": "gaussian", "why": "asked" if prior == "gaussian" else unfit}}
     t0 = time.perf_counter()
     with jax.enable_x64(True):
         post = lognormal.posterior(

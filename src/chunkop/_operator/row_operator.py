@@ -439,7 +439,7 @@ class RowOperator(AbstractRowOperator):
         traced = lambda: kernels.make_spec(row_fn, rows, x_struct, 1 if chunk_size == "auto" else chunk_size)
         spec, self.consts = row_sharding.traced_for_rows(traced, rows)
         spec = spec.at(spec.chunk_size, None, segment_key)
-        windowed = _windowed(spec, self.consts, rows, layout, segment_key, self.mesh_axes)
+        windowed = _windowed(spec, self.consts, rows, n_rows, layout, segment_key, self.mesh_axes)
         self.row_data, self.layout, windows_at, self.budget_plan = rows, None, None, None
         if windowed is not None:  # "auto": planned on that one trace of row_fn and the windows
             order, targets, at, sorted_rows = windowed
@@ -632,9 +632,9 @@ def _transpose_in_order(spec: kernels.Spec, consts: Any, rows_and_layout: tuple,
 
 
 def _windowed(
-    spec: kernels.Spec, consts: tuple, rows: Any, layout: str, segment_key: Any, mesh_axes: Any
+    spec: kernels.Spec, consts: tuple, rows: Any, n_rows: int, layout: str, segment_key: Any, mesh_axes: Any
 ) -> tuple | None:
-    """The windowed layout of these rows, or None for the plain one (see ``RowOperator``'s
+    """The windowed layout of these ``n_rows`` rows, or None for the plain one (see ``RowOperator``'s
     ``layout``): ``(RowLayout, sorted targets, windows_at(chunk), sorted rows)``."""
     forced = layout == "windowed"
     if layout == "plain" or segment_key is not None:
@@ -644,10 +644,7 @@ def _windowed(
         why = "`row_fn` reads `x` otherwise than as whole rows (x[i], x[i:i + k] along each leaf's leading axis)"
     elif any(s.shape and is_symbolic(s.shape[0]) for s in spec.in_leaves):
         why = "`x`'s leaves of concrete sizes (jax.export's symbolic sizes cannot be windowed)"
-    if not forced and (
-        why is not None
-        or not row_layout.worth_sorting(spec.reads, spec.in_leaves, jax.tree_util.tree_leaves(rows)[0].shape[0])
-    ):
+    if not forced and (why is not None or not row_layout.worth_sorting(spec.reads, spec.in_leaves, n_rows)):
         return None  # "auto": the plain layout, unsorted, where the platform's measurements say so
     if why is None:
         x_sizes = tuple(int(s.shape[0]) if s.shape else 0 for s in spec.in_leaves)
