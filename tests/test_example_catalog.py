@@ -240,6 +240,16 @@ def test_family_reconstructs_at_tiny_size(tmp_path, response):
         assert m["rel_err_sky_db"] < m["rel_err_sky_db_oracle"]
 
 
+def test_family_lines_change_the_stars_not_the_truth(tmp_path):
+    # families.py --lines: a denser catalog of the same truth (what the reconstruction gains from stars alone)
+    few = families.write_family("local_bubble", str(tmp_path / "few"), "tiny")
+    many = families.write_family("local_bubble", str(tmp_path / "many"), "tiny", n_los=3 * families.GRIDS["tiny"][3])
+    np.testing.assert_array_equal(np.load(few[1])["sky"], np.load(many[1])["sky"])
+    assert catalog.load_catalog(many[0]).n_los == 3 * catalog.load_catalog(few[0]).n_los
+    with pytest.raises(ValueError, match="n_los must be a positive number of lines, got 0"):
+        families.write_family("local_bubble", str(tmp_path), "tiny", n_los=0)
+
+
 def test_reference_profile_sets_the_distance_integrated_column(tmp_path, capsys):
     # The lines measure one 1/r^2-weighted column per pixel; the distance-integrated column needs
     # the radial profile from outside the catalog. Given the truth's mean radial profile (what the

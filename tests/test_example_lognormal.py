@@ -105,6 +105,13 @@ def test_prior_energy_mode_and_sd_match_the_dense_model(small):
     assert abs(np.mean(post["std"] / std_ref) - 1) < 0.03
     assert abs(np.mean(post["fstd"] / fsd_ref) - 1) < 0.03
     assert np.all(post["mean"] > 0)  # a positive field
+    # the lines' chi2 from the statistics, against the dense residual of the mode
+    dense_chi2 = float(np.sum(iv * (cat.y - A @ smode.ravel()) ** 2))
+    # (yy - 2 t.u + u D u cancels: the float32 statistics' rounding is 1e-7 of yy, here 2500x the chi2)
+    tol = 1e-6 * float(data.yy)
+    assert post["chi2"] == pytest.approx(dense_chi2, abs=tol) and tol < 1e-2 * dense_chi2
+    assert lognormal.line_chi2(data, rad.V, smode) == pytest.approx(dense_chi2, abs=tol)
+    assert post["converged"]
 
 
 def test_posterior_refuses_a_coarsened_grid_or_too_many_cells(small, monkeypatch):
@@ -125,12 +132,29 @@ def test_the_prior_choice_is_recorded_and_falls_back(small, monkeypatch):
     kept = {"data": data, "rad": rad, "theta": THETA, "functionals": fns}
     n, nb = cat.n_pix, cat.n_bins
     r = {k: np.zeros((n, nb)) for k in ("mean", "std")} | {"timings": {}}
-    assert reconstruct._with_prior(r, kept, "gaussian", 8)["prior"] == {"name": "gaussian", "why": "asked"}
-    got = reconstruct._with_prior(r, kept, "auto", 8)
+    m = cat.n_los
+    assert reconstruct._with_prior(r, kept, "gaussian", 8, m)["prior"] == {"name": "gaussian", "why": "asked"}
+    got = reconstruct._with_prior(r, kept, "auto", 8, m)
     assert got["prior"]["name"] == "lognormal" and got["mean"].shape == (n, nb) and got["column_std"].shape == (n,)
     assert len(got["prior"]["sample_cg_steps"]) == 4  # 8 samples asked: 4 mirrored pairs
+    # (an empty sky's chi2 is the data's own: the log-normal mode fits better)
+    assert got["prior"]["chi2_per_line"] < got["prior"]["gaussian_chi2_per_line"] and "warning" not in got["prior"]
+    # a mode that fits the lines worse than the Gaussian map: "auto" keeps the Gaussian one, drawing no samples
+    with monkeypatch.context() as mp:
+        mp.setattr(reconstruct, "CHI2_SD", -1e9)
+        worse = reconstruct._with_prior(r, kept, "auto", 8, m)
+        assert worse["prior"]["name"] == "gaussian" and worse["mean"] is r["mean"]
+        assert "fits the lines worse" in worse["prior"]["why"] and worse["prior"]["lognormal"]["converged"]
+        asked = reconstruct._with_prior(r, kept, "lognormal", 8, m)
+        assert asked["prior"]["name"] == "lognormal" and "fits the lines worse" in asked["prior"]["warning"]
+    # a mode not reached (one Gauss-Newton step allowed)
+    with monkeypatch.context() as mp:
+        mp.setattr(lognormal, "NEWTON_STEPS", 1)
+        unreached = reconstruct._with_prior(r, kept, "auto", 8, m)
+        assert unreached["prior"]["name"] == "gaussian" and "not reached in 1 Gauss-Newton" in unreached["prior"]["why"]
+        assert not unreached["prior"]["lognormal"]["converged"]
     monkeypatch.setattr(lognormal, "MAX_CELLS", n * nb - 1)
-    assert reconstruct._with_prior(r, kept, "auto", 8)["prior"]["name"] == "gaussian"
+    assert reconstruct._with_prior(r, kept, "auto", 8, m)["prior"]["name"] == "gaussian"
     with pytest.raises(ValueError, match="prior must be one of"):
         reconstruct.reconstruct_standard(cat, prior="normal")
 

@@ -174,12 +174,16 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
 
 
 def write_family(
-    name: str, out: str, size: str = "default", seed: int = 0, response: str = "standard"
+    name: str, out: str, size: str = "default", seed: int = 0, response: str = "standard", n_los: int | None = None
 ) -> tuple[str, str]:
-    """Write ``out/NAME.npz`` (catalog, seen through ``response``) and ``out/NAME.truth.npz``; returns both paths."""
+    """Write ``out/NAME.npz`` (catalog, seen through ``response``) and ``out/NAME.truth.npz``; returns both paths.
+    ``n_los`` (default: ``size``'s) changes the number of stars only: the truth is drawn first, the same for any."""
     if response not in los.RESPONSES:
         raise ValueError(f"response must be one of {los.RESPONSES}, got {response!r}")
-    nx, ny, n_bins, n_los = GRIDS[size]
+    if n_los is not None and n_los < 1:
+        raise ValueError(f"n_los must be a positive number of lines, got {n_los}")
+    nx, ny, n_bins, size_los = GRIDS[size]
+    n_los = size_los if n_los is None else n_los
     rng = np.random.default_rng([seed, FAMILIES.index(name)])
     edges = _edges(n_bins)
     sky = family_sky(name, nx, ny, edges, rng)
@@ -221,6 +225,9 @@ def main(argv=None) -> dict:
     p.add_argument("--family", nargs="*", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--run", action="store_true", help="reconstruct each family and write families_results.json")
     p.add_argument("--samples", type=int, default=32)
+    p.add_argument(
+        "--lines", type=int, default=None, help="stars per catalog (default: --size's); the truths stay the same"
+    )
     p.add_argument("--response", default="standard", choices=los.RESPONSES, help="the instrument (default standard)")
     p.add_argument(
         "--references",
@@ -253,7 +260,7 @@ def main(argv=None) -> dict:
         )
         results["default (synthetic)"] = res["summary"]
     for name in a.family:
-        cat_path, truth_path = write_family(name, a.out, a.size, response=a.response)
+        cat_path, truth_path = write_family(name, a.out, a.size, response=a.response, n_los=a.lines)
         print(f"wrote {cat_path} and {truth_path}", flush=True)
         if a.run:
             import reconstruct
@@ -270,7 +277,7 @@ def main(argv=None) -> dict:
     if a.run:
         with open(os.path.join(a.out, "families_results.json"), "w") as f:
             json.dump(
-                {"size": a.size, "response": a.response, "prior": a.prior, "families": results},
+                {"size": a.size, "lines": a.lines, "response": a.response, "prior": a.prior, "families": results},
                 f,
                 indent=1,
                 default=float,

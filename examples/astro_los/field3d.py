@@ -102,7 +102,7 @@ def weights_np(d: np.ndarray, s: np.ndarray, edges: np.ndarray, response: str) -
     return np.asarray(los.response_weights(np.asarray(d, np.float64), np.asarray(s, np.float64), edges, response))
 
 
-def _host() -> jax.Device:
+def host() -> jax.Device:
     """The host's CPU device, where the example's float64 algebra runs: an accelerator emulates
     float64 (on a TPU v5e the mean profile's start, the statistics and the pixel-by-pixel evidence
     took 329 s at 13.24M lines; the 2-core CPU, 38 s at 3M)."""
@@ -124,7 +124,7 @@ def radial_basis(cat: Catalog, response: str, n_sample: int = 8192, seed: int = 
     over ``ln d`` (all ``n_bins`` of them, leading first; :func:`truncate` keeps the fewest that do),
     and the singular values relative to the first."""
     idx = _stratified_sample(cat.d, n_sample, np.random.default_rng(seed))
-    with jax.enable_x64(True), jax.default_device(_host()):
+    with jax.enable_x64(True), jax.default_device(host()):
         W = weights_np(cat.d[idx], cat.s[idx], cat.edges, response)
     _, sv, vt = np.linalg.svd(W / np.linalg.norm(W, axis=1, keepdims=True), full_matrices=False)
     return vt.T.copy(), sv / sv[0]
@@ -848,7 +848,7 @@ def with_profile_vectors(
     with three: 2.6%; ``benchmarks/RESULTS.md``). ``seconds``: as :func:`compress_lines`'."""
     if PROFILE_VECTORS == 0:
         return V, g
-    with jax.enable_x64(True), jax.default_device(_host()):
+    with jax.enable_x64(True), jax.default_device(host()):
         rad = Radial.of(cat.edges, V)
         mu0 = np.asarray(profile(jnp.asarray(mean_profile_fit(cat, g, rad)), rad))
         t = np.asarray(rad.t)
@@ -1305,8 +1305,8 @@ def reconstruct(
         f"rms {trunc['rms_sigma']:.2f}; " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in timing.items()) + ")"
     )
     # the passes over the lines run on the default device (an accelerator's, where there is one), the
-    # latent grid's float64 algebra on the host (_host)
-    lines_device, latent = jax.devices()[0], _host()
+    # latent grid's float64 algebra on the host (host)
+    lines_device, latent = jax.devices()[0], host()
 
     def data_on_latent(grid: Grid) -> Data:
         with jax.default_device(lines_device):

@@ -199,13 +199,41 @@ def map_estimate(P: dict, D: jax.Array, t: jax.Array, shape: tuple[int, int], n_
     return xi, path
 
 
+def line_chi2(data: field3d.Data, V: np.ndarray, sky: np.ndarray) -> float:
+    """The lines' chi2, ``sum_l (y_l - g_l . V^T sky_p(l))^2 / sigma_l^2``, of a sky ``(n_pix, n_bins)`` on
+    ``data``'s grid, from its statistics: ``yy - 2 sum_p t_p u_p + sum_p u_p D_p u_p``, ``u_p = V^T sky_p``
+    (float64 over ``data``'s float32 sums, which cancel: its rounding is ~1e-7 of ``yy``; the same
+    compressed lines for any sky, so two maps' figures compare).
+
+    Example:
+        >>> # one pixel, one line (g = 1 on the one basis vector, sigma = 1, y = 2): D = 1, t = 2, yy = 4
+        >>> data = field3d.Data(D=np.ones((1, 1, 1)), t=np.full((1, 1), 2.0), yy=np.array(4.0),
+        ...                     log_norm=np.array(0.0), grid=field3d.grid_for(1, 1, 1))
+        >>> line_chi2(data, np.ones((2, 1)), np.array([[0.5, 1.0]]))  # (2 - 1.5)^2
+        0.25
+    """
+    u = np.asarray(sky, np.float64) @ np.asarray(V, np.float64)
+    D, t = np.asarray(data.D, np.float64), np.asarray(data.t, np.float64)
+    return float(data.yy) - 2 * float(np.sum(t * u)) + float(np.einsum("pi,pij,pj->", u, D, u))
+
+
 def posterior(
-    theta: np.ndarray, data: field3d.Data, rad: field3d.Radial, functionals: np.ndarray, pairs: int = 8, seed: int = 1
+    theta: np.ndarray,
+    data: field3d.Data,
+    rad: field3d.Radial,
+    functionals: np.ndarray,
+    pairs: int = 8,
+    seed: int = 1,
+    fallback_chi2: float | None = None,
 ) -> dict:
     """The log-normal prior's map and linearised Laplace errors on ``data``'s grid (every pixel:
     ``data.grid.factor == 1``), in ``field3d.posterior``'s keys: ``mean`` (the mode's sky) and ``std``
     (``(n_pix, n_bins)``), ``fmean`` and ``fstd`` (``(n_pix, m)``, each row of ``functionals``, bin
-    correlations included), and the effort. Call under ``jax.enable_x64``.
+    correlations included); ``converged`` (the last Gauss-Newton step gained less than
+    :data:`NEWTON_NATS`), ``chi2`` (:func:`line_chi2` of the mode) and the effort. Call under
+    ``jax.enable_x64``. With ``fallback_chi2`` (another map's :func:`line_chi2`, the one the caller
+    keeps otherwise), a mode that did not converge or fits the lines worse than it is returned alone:
+    ``std``, ``fmean`` and ``fstd`` None, no samples drawn.
 
     Raises:
         ValueError: when the grid is coarsened (blocks of pixels) or the sky has more than
@@ -221,8 +249,17 @@ def posterior(
     t0 = time.perf_counter()
     xi, path = map_estimate(P, D, t, (nx, ny), n_bins)
     t1 = time.perf_counter()
-    root = psd_root(D)
     sky = jnp.exp(log_sky(P, xi))
+    mean = np.asarray(sky).reshape(n_bins, -1).T
+    fit = {
+        "newton": path,
+        "converged": abs(path[-1][0] - path[-1][1]) < NEWTON_NATS,
+        "chi2": line_chi2(data, P["V"], mean),
+    }
+    if fallback_chi2 is not None and not (fit["converged"] and fit["chi2"] <= fallback_chi2):
+        none = {"std": None, "fmean": None, "fstd": None, "sample_cg_steps": []}
+        return fit | none | {"mean": mean.astype(np.float32), "seconds": {"map_s": t1 - t0, "samples_s": 0.0}}
+    root = psd_root(D)
     zero = log_sky(P, jnp.zeros_like(xi))
     C = np.asarray(functionals, np.float64)
     var = np.zeros((nx * ny, n_bins))
@@ -235,13 +272,11 @@ def posterior(
         delta = np.asarray(sky * (log_sky(P, dev) - zero)).reshape(n_bins, -1).T
         var += delta**2  # (a mirrored pair's two deviations are +delta and -delta: the same squares)
         fvar += (delta @ C.T) ** 2
-    mean = np.asarray(sky).reshape(n_bins, -1).T
-    return {
+    return fit | {
         "mean": mean.astype(np.float32),
         "std": np.sqrt(var / pairs).astype(np.float32),
         "fmean": mean @ C.T,
         "fstd": np.sqrt(fvar / pairs),
-        "newton": path,
         "sample_cg_steps": steps,
         "seconds": {"map_s": t1 - t0, "samples_s": time.perf_counter() - t1},
     }

@@ -453,7 +453,7 @@ def reconstruct_standard(
     summ = _catalog_summary(cat, "standard")
     kept: dict = {}
     r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, layout=layout, log=log, keep=kept)
-    r = _with_prior(r, kept, prior, samples)
+    r = _with_prior(r, kept, prior, samples, cat.n_los)
     summ["prior"] = r["prior"]
     summ["radial_basis"] = r["basis"]
     summ["hyperparameters"] = r["hyper"]
@@ -485,20 +485,48 @@ def reconstruct_standard(
 PRIORS = ("auto", "gaussian", "lognormal")
 
 
-def _with_prior(r: dict, kept: dict, prior: str, samples: int) -> dict:
-    """``field3d.reconstruct``'s result ``r``, or with ``prior`` ``"lognormal"`` (``"auto"``: where it
-    fits) the log-normal prior's map and errors in its place (``lognormal.posterior`` on what ``r``'s
-    posterior was solved from, ``kept``); ``r["prior"]`` says which, and why."""
-    data = kept["data"]
+def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> dict:
+    """``field3d.reconstruct``'s result ``r``, or with ``prior`` ``"lognormal"`` the log-normal prior's map
+    and errors in its place (``lognormal.posterior`` on what ``r``'s posterior was solved from, ``kept``).
+    ``"auto"`` takes the log-normal field where it fits (``lognormal.unfit``), its mode was reached and
+    it fits the ``n_los`` lines no worse than the Gaussian posterior mean (``lognormal.line_chi2``,
+    within :data:`CHI2_SD` sd of a chi2's noise, ``sqrt(2 n_los)``); else it keeps ``r``. ``r["prior"]``
+    says which, and why."""
+    data, V = kept["data"], kept["rad"].V
     unfit = lognormal.unfit(data.grid, kept["rad"].r.shape[0])
     if prior == "gaussian" or (prior == "auto" and unfit is not None):
         return r | {"prior": {"name": "gaussian", "why": "asked" if prior == "gaussian" else unfit}}
     t0 = time.perf_counter()
-    with jax.enable_x64(True):
+    gauss_chi2 = lognormal.line_chi2(data, V, r["mean"])
+    bound = gauss_chi2 + CHI2_SD * np.sqrt(2.0 * n_los)
+    # on the host, beside the Gaussian model's latent algebra (field3d.host: an accelerator emulates float64)
+    with jax.enable_x64(True), jax.default_device(field3d.host()):
         post = lognormal.posterior(
-            kept["theta"], data, kept["rad"], kept["functionals"], pairs=min(lognormal.PAIRS, max(1, -(-samples // 2)))
+            kept["theta"],
+            data,
+            kept["rad"],
+            kept["functionals"],
+            pairs=min(lognormal.PAIRS, max(1, -(-samples // 2))),
+            fallback_chi2=bound if prior == "auto" else None,
         )
     seconds = time.perf_counter() - t0
+    fit = {
+        "newton_steps": len(post["newton"]),
+        "newton_energy": post["newton"][-1][1],
+        "converged": bool(post["converged"]),
+        "chi2_per_line": post["chi2"] / n_los,
+        "gaussian_chi2_per_line": gauss_chi2 / n_los,
+    }
+    poor = [] if post["converged"] else [f"its mode was not reached in {lognormal.NEWTON_STEPS} Gauss-Newton steps"]
+    if post["chi2"] > bound:
+        poor.append(
+            f"it fits the lines worse (chi2 per line {fit['chi2_per_line']:.3f}, "
+            f"the Gaussian's {fit['gaussian_chi2_per_line']:.3f})"
+        )
+    if post["std"] is None:  # "auto", and the mode is poor: the Gaussian field's map and errors stay
+        why = "the log-normal prior was tried: " + "; ".join(poor)
+        log(f"{why} ({seconds:.1f}s): the Gaussian prior's map and errors are kept")
+        return r | {"prior": {"name": "gaussian", "why": why, "lognormal": fit}}
     log(
         f"log-normal prior: the mode in {len(post['newton'])} Gauss-Newton steps ({post['seconds']['map_s']:.1f}s), "
         f"{2 * len(post['sample_cg_steps'])} linearised Laplace samples (CG <= {max(post['sample_cg_steps'])} steps, "
@@ -516,12 +544,17 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int) -> dict:
     out["timings"] = dict(r["timings"], lognormal_s=seconds)
     out["prior"] = {
         "name": "lognormal",
-        "newton_steps": len(post["newton"]),
-        "newton_energy": post["newton"][-1][1],
+        **fit,
         "sample_cg_steps": post["sample_cg_steps"],
         "seconds": post["seconds"],
+        **({"warning": "the log-normal prior was asked for, but " + "; ".join(poor)} if poor else {}),
     }
     return out
+
+
+#: how far (in sd of a chi2's noise, sqrt(2 n_los)) the log-normal mode's chi2 may lie above the Gaussian
+#: posterior mean's for ``--prior auto`` to take it
+CHI2_SD = 3.0
 
 
 #: a radial bin is reported as unconstrained when its median posterior sd exceeds this fraction of the prior's
@@ -565,8 +598,8 @@ def _fit_warnings(hyper: dict, chi2: float, cat: Catalog, example: str) -> list:
 def warnings_standard(summ: dict, r: dict, cat: Catalog) -> list:
     """The 3-D prior's warnings, from the catalog's run alone: ``s`` in a suspicious unit
     (:func:`s_warnings`), pixels whose column the data barely constrain, distances no star
-    constrains, hyperparameters at a bound, a poor fit, unconverged CG."""
-    w = s_warnings(cat)
+    constrains, hyperparameters at a bound, a poor fit, unconverged CG, a poor log-normal mode."""
+    w = s_warnings(cat) + ([r["prior"]["warning"]] if "warning" in r.get("prior", {}) else [])
     loose = r["column_std"] * field3d.CONSTRAINED > r["column_prior_sd"]
     if np.any(loose):
         w.append(
