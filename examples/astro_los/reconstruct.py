@@ -16,7 +16,8 @@ users' literal ``w = -diff(exp(-(d - b) / (d s b)))``).
 nothing else. Standard response: a 3-D Gaussian-field prior whose hyperparameters are learned from
 the catalog by the evidence (``field3d.py``, :func:`reconstruct_standard`), then, where the whole sky
 fits (``--prior auto``, the default; ``lognormal.MAX_CELLS``), a positive field on those
-hyperparameters (``lognormal.py``): its mode is the map, with linearised Laplace errors. Seed response: the
+hyperparameters (``lognormal.py``): its mode is the map, with linearised Laplace errors, where that
+mode is reached and fits the lines no worse than the Gaussian field's map (:func:`_with_prior`). Seed response: the
 radial-shape prior's hyperparameters (radial profile level and shape, plane-of-sky field sd,
 correlation length and spectral slope) are learned by type-II maximum likelihood (``learn.py``).
 The posterior mean (the log-normal prior's: its mode) and samples are solved, and
@@ -1296,7 +1297,7 @@ def main(argv=None) -> dict:
         help="the standard response's prior: 'gaussian' (a Gaussian 3-D field about a learned mean profile, "
         "field3d.py), 'lognormal' (a positive field on the same learned hyperparameters, lognormal.py: its mode "
         "and linearised errors; every pixel, at most lognormal.MAX_CELLS cells), or 'auto' (default): the "
-        "log-normal one where it fits",
+        "log-normal one where it fits, its mode is reached and it fits the lines no worse than the Gaussian map",
     )
     p.add_argument(
         "--profile",
