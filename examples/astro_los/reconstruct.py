@@ -1156,10 +1156,11 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
 
-    # the radial profile: learned (+- 2 sd over the Laplace samples), and the truth's mean if known
+    # the radial profile: learned (+- 2 sd over the Laplace samples), the map's mean over pixels, and
+    # the truth's mean if known
     fig, ax = plt.subplots(figsize=(6.5, 4.5), constrained_layout=True)
     post = rec["post"]
-    ax.loglog(r, post["mu"], "C0-", label="learned mean profile mu(r)")
+    ax.loglog(r, post["mu"], "C0-", label="learned mean profile mu(r) (a hyperparameter)")
     if "mu_samples" in post:
         lo, hi = np.percentile(post["mu_samples"], [2.5, 97.5], axis=0)
         ax.fill_between(r, lo, hi, color="C0", alpha=0.25, label="95% (hyperparameter posterior)")
@@ -1170,6 +1171,9 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
             level, learn.profile_t(cat.edges), learn.profile_omega(cat.edges), np, rec["hyper"]["reference_profile"]
         )
         ax.loglog(r, ref, color="C1", ls=(0, (4, 3)), lw=2, label="reference given (--profile), at the learned level")
+    prior = rec["summary"].get("prior", {}).get("name")
+    which = {"lognormal": "the log-normal mode", "gaussian": "the posterior mean"}.get(prior, "the posterior mean")
+    ax.loglog(r, rec["mean"].mean(0), "C2-", lw=2, label=f"map ({which}): mean over pixels")
     if truth is not None:
         ax.loglog(r, truth["oracle_profile"], "k--", label="truth: mean over pixels (the oracle)")
     ax.set_xlabel("distance r (pc)")
