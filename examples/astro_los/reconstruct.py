@@ -1095,7 +1095,13 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     db_label = "sum_k sky_k (b_k+1 - b_k)  [density x pc]"
     wb_label = "sum_k sky_k (1/b_k - 1/b_k+1)  [density / pc]"
     maps = [
-        ("1/r^2-weighted column\n(what the lines measure)", rec["wcolumn"], wb_label),
+        # (what the seed response's lines measure; the standard response's measure the density up to each star)
+        (
+            "1/r^2-weighted column"
+            + ("\n(what the lines measure)" if rec["summary"].get("response") == "seed" else ""),
+            rec["wcolumn"],
+            wb_label,
+        ),
         ("distance-integrated column", rec["column"], db_label),
         (f"density in the bin at r = {r[k1]:.0f} pc", rec["mean"][:, k1], "density"),
     ]
