@@ -164,3 +164,16 @@ def test_docstring_example_passes():
 
     failed, attempted = doctest.testmod(lognormal, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert attempted >= 1 and failed == 0
+
+
+def test_a_poor_mode_asked_for_is_kept_with_a_warning_and_auto_says_why(small, monkeypatch):
+    # the whole run on the small catalog, the mode cut at one Gauss-Newton step: "lognormal" keeps it
+    # and its summary warns; "auto" keeps the Gaussian field and its summary's prior record says why
+    cat = small[0]
+    monkeypatch.setattr(lognormal, "NEWTON_STEPS", 1)
+    asked = reconstruct.reconstruct_standard(cat, samples=4, figures=False, prior="lognormal")["summary"]
+    assert asked["prior"]["name"] == "lognormal" and not asked["prior"]["converged"]
+    assert any("log-normal prior was asked for, but its mode was not reached" in w for w in asked["warnings"])
+    auto = reconstruct.reconstruct_standard(cat, samples=4, figures=False, prior="auto")["summary"]
+    assert auto["prior"]["name"] == "gaussian" and "not reached in 1 Gauss-Newton" in auto["prior"]["why"]
+    assert not any("log-normal" in w for w in auto["warnings"])
