@@ -107,7 +107,7 @@ def test_prior_energy_mode_and_sd_match_the_dense_model(small):
     assert np.all(post["mean"] > 0)  # a positive field
     # the lines' chi2 from the statistics, against the dense residual of the mode
     dense_chi2 = float(np.sum(iv * (cat.y - A @ smode.ravel()) ** 2))
-    # (yy - 2 t.u + u D u cancels: the float32 statistics' rounding is 1e-7 of yy, here 2500x the chi2)
+    # (yy - 2 t.u + u D u cancels: the float32 statistics' rounding is ~1e-7 of yy, here 390x the chi2)
     tol = 1e-6 * float(data.yy)
     assert post["chi2"] == pytest.approx(dense_chi2, abs=tol) and tol < 1e-2 * dense_chi2
     assert lognormal.line_chi2(data, rad.V, smode) == pytest.approx(dense_chi2, abs=tol)
