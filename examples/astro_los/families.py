@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lognormal
 import los
 from catalog import write_catalog
 
@@ -247,7 +248,7 @@ def main(argv=None) -> dict:
     p.add_argument(
         "--prior",
         default="auto",
-        choices=("auto", "gaussian", "lognormal"),
+        choices=lognormal.PRIORS,
         help="with --run: the standard response's prior (reconstruct.py --prior; default auto)",
     )
     a = p.parse_args(argv)

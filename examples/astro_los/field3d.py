@@ -1305,7 +1305,7 @@ def reconstruct(
         f"rms {trunc['rms_sigma']:.2f}; " + ", ".join(f"{k[:-2]} {v:.1f}s" for k, v in timing.items()) + ")"
     )
     # the passes over the lines run on the default device (an accelerator's, where there is one), the
-    # latent grid's float64 algebra on the host (host)
+    # latent grid's float64 algebra on the host (:func:`host`)
     lines_device, latent = jax.devices()[0], host()
 
     def data_on_latent(grid: Grid) -> Data:

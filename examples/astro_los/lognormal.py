@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import learn
 import numpy as np
 
+#: ``reconstruct.py --prior``'s choices (here, beside what they choose, for every CLI that passes them on)
+PRIORS = ("auto", "gaussian", "lognormal")
 #: the most cells (pixels x bins) of the whole sky this prior holds: its solves keep ~12 float64
 #: copies of it (the users' 786432 x 516 would need 39 GB; the families' 64 x 48 x 96 take 28 MB)
 MAX_CELLS = 1 << 24
@@ -185,6 +187,12 @@ def laplace_deviation(P: dict, D: jax.Array, root: jax.Array, xi: jax.Array, key
     return d, k
 
 
+def settled(path: list) -> bool:
+    """Whether :func:`map_estimate`'s last step (``path[-1]``: energy before, after, ...) gained less
+    than :data:`NEWTON_NATS`: its stopping test, and :func:`posterior`'s ``converged``."""
+    return abs(path[-1][0] - path[-1][1]) < NEWTON_NATS
+
+
 def map_estimate(P: dict, D: jax.Array, t: jax.Array, shape: tuple[int, int], n_bins: int) -> tuple[jax.Array, list]:
     """The posterior's mode in ``xi`` from ``xi = 0`` (the prior's median sky), by :func:`newton_step`
     until a step gains less than :data:`NEWTON_NATS` or :data:`NEWTON_STEPS` are taken; and the
@@ -194,7 +202,7 @@ def map_estimate(P: dict, D: jax.Array, t: jax.Array, shape: tuple[int, int], n_
     for _ in range(NEWTON_STEPS):
         xi, e, e_new, k, a = newton_step(P, D, t, xi)
         path.append((float(e), float(e_new), int(k), float(a)))
-        if abs(path[-1][0] - path[-1][1]) < NEWTON_NATS:
+        if settled(path):
             break
     return xi, path
 
@@ -224,16 +232,15 @@ def posterior(
     functionals: np.ndarray,
     pairs: int = 8,
     seed: int = 1,
-    fallback_chi2: float | None = None,
+    accept: Callable[[dict], bool] | None = None,
 ) -> dict:
     """The log-normal prior's map and linearised Laplace errors on ``data``'s grid (every pixel:
     ``data.grid.factor == 1``), in ``field3d.posterior``'s keys: ``mean`` (the mode's sky) and ``std``
     (``(n_pix, n_bins)``), ``fmean`` and ``fstd`` (``(n_pix, m)``, each row of ``functionals``, bin
     correlations included); ``converged`` (the last Gauss-Newton step gained less than
     :data:`NEWTON_NATS`), ``chi2`` (:func:`line_chi2` of the mode) and the effort. Call under
-    ``jax.enable_x64``. With ``fallback_chi2`` (another map's :func:`line_chi2`, the one the caller
-    keeps otherwise), a mode that did not converge or fits the lines worse than it is returned alone:
-    ``std``, ``fmean`` and ``fstd`` None, no samples drawn.
+    ``jax.enable_x64``. With ``accept`` (a test of the mode's ``{"newton", "converged", "chi2"}``, the
+    caller's), a mode it refuses is returned alone: ``std``, ``fmean`` and ``fstd`` None, no samples drawn.
 
     Raises:
         ValueError: when the grid is coarsened (blocks of pixels) or the sky has more than
@@ -251,12 +258,8 @@ def posterior(
     t1 = time.perf_counter()
     sky = jnp.exp(log_sky(P, xi))
     mean = np.asarray(sky).reshape(n_bins, -1).T
-    fit = {
-        "newton": path,
-        "converged": abs(path[-1][0] - path[-1][1]) < NEWTON_NATS,
-        "chi2": line_chi2(data, P["V"], mean),
-    }
-    if fallback_chi2 is not None and not (fit["converged"] and fit["chi2"] <= fallback_chi2):
+    fit = {"newton": path, "converged": settled(path), "chi2": line_chi2(data, P["V"], mean)}
+    if accept is not None and not accept(fit):
         none = {"std": None, "fmean": None, "fstd": None, "sample_cg_steps": []}
         return fit | none | {"mean": mean.astype(np.float32), "seconds": {"map_s": t1 - t0, "samples_s": 0.0}}
     root = psd_root(D)

@@ -447,7 +447,8 @@ def reconstruct_standard(
     ``prior``: ``"gaussian"``, the Gaussian field (``field3d``); ``"lognormal"``, the positive field
     of ``lognormal.py`` on the same learned hyperparameters and statistics (its mode, with linearised
     Laplace errors), which holds the whole sky (every pixel, at most ``lognormal.MAX_CELLS`` cells);
-    ``"auto"``: the log-normal one where it fits, else the Gaussian one."""
+    ``"auto"``: the log-normal one where it fits, its mode is reached and it fits the lines no worse
+    than the Gaussian map (:func:`_with_prior`), else the Gaussian one."""
     if prior not in PRIORS:
         raise ValueError(f"prior must be one of {PRIORS}, got {prior!r}")
     t0 = time.perf_counter()
@@ -483,7 +484,7 @@ def reconstruct_standard(
     return rec
 
 
-PRIORS = ("auto", "gaussian", "lognormal")
+PRIORS = lognormal.PRIORS
 
 
 def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> dict:
@@ -500,6 +501,16 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
     t0 = time.perf_counter()
     gauss_chi2 = lognormal.line_chi2(data, V, r["mean"])
     bound = gauss_chi2 + CHI2_SD * np.sqrt(2.0 * n_los)
+
+    def poor(fit: dict) -> list:  # why a mode is not taken (none: it is)
+        why = [] if fit["converged"] else [f"its mode was not reached in {lognormal.NEWTON_STEPS} Gauss-Newton steps"]
+        if fit["chi2"] > bound:
+            why.append(
+                f"it fits the lines worse (chi2 per line {fit['chi2'] / n_los:.3f}, "
+                f"the Gaussian's {gauss_chi2 / n_los:.3f})"
+            )
+        return why
+
     # on the host, beside the Gaussian model's latent algebra (field3d.host: an accelerator emulates float64)
     with jax.enable_x64(True), jax.default_device(field3d.host()):
         post = lognormal.posterior(
@@ -508,7 +519,7 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
             kept["rad"],
             kept["functionals"],
             pairs=min(lognormal.PAIRS, max(1, -(-samples // 2))),
-            fallback_chi2=bound if prior == "auto" else None,
+            accept=(lambda fit: not poor(fit)) if prior == "auto" else None,
         )
     seconds = time.perf_counter() - t0
     fit = {
@@ -518,14 +529,9 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
         "chi2_per_line": post["chi2"] / n_los,
         "gaussian_chi2_per_line": gauss_chi2 / n_los,
     }
-    poor = [] if post["converged"] else [f"its mode was not reached in {lognormal.NEWTON_STEPS} Gauss-Newton steps"]
-    if post["chi2"] > bound:
-        poor.append(
-            f"it fits the lines worse (chi2 per line {fit['chi2_per_line']:.3f}, "
-            f"the Gaussian's {fit['gaussian_chi2_per_line']:.3f})"
-        )
+    reasons = poor(post)
     if post["std"] is None:  # "auto", and the mode is poor: the Gaussian field's map and errors stay
-        why = "the log-normal prior was tried: " + "; ".join(poor)
+        why = "the log-normal prior was tried: " + "; ".join(reasons)
         log(f"{why} ({seconds:.1f}s): the Gaussian prior's map and errors are kept")
         return r | {"prior": {"name": "gaussian", "why": why, "lognormal": fit}}
     log(
@@ -548,7 +554,7 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
         **fit,
         "sample_cg_steps": post["sample_cg_steps"],
         "seconds": post["seconds"],
-        **({"warning": "the log-normal prior was asked for, but " + "; ".join(poor)} if poor else {}),
+        **({"warning": "the log-normal prior was asked for, but " + "; ".join(reasons)} if reasons else {}),
     }
     return out
 
