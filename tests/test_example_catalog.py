@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -22,6 +23,7 @@ import families
 import field3d
 import learn
 import los
+import outside_skies
 import reconstruct
 
 
@@ -238,6 +240,37 @@ def test_family_reconstructs_at_tiny_size(tmp_path, response):
         # hyperparameters follow the rounding; ~1 star per pixel in front of the sheet, so where
         # along the line its dust lies is barely measured; README.md)
         assert m["rel_err_sky_db"] < m["rel_err_sky_db_oracle"]
+
+
+def test_outside_skies_measure_what_the_operator_measures():
+    # outside_skies.py's own float64 formula, written without reading los.py, against the example's
+    # chunked operator (float32) on a rough sky, wide and narrow distance errors, another grid
+    rng = np.random.default_rng(3)
+    edges = np.exp(np.linspace(np.log(30.0), np.log(2500.0), 65))
+    sky = rng.gamma(0.5, 1.0, (20, 64)).astype(np.float32)
+    n = 3000
+    pix = rng.integers(0, 20, n)
+    d = outside_skies.uniform_volume(rng, n, edges[0], 1.3 * edges[-1]).astype(np.float32)
+    s = (d * rng.uniform(0.02, 0.4, n)).astype(np.float32)
+    want = outside_skies.standard_response(sky, pix, d, s, edges)
+    A = los.make_los_operator(pix, d, s, n_pix=20, edges=edges, chunk_size=1024, response="standard")
+    got = np.asarray(jax.jit(lambda A, x: A.mv(x))(A, jax.numpy.asarray(sky)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_outside_skies_write_catalogs_and_judge_them(tmp_path):
+    cat_path, truth_path = outside_skies.make_family("coarse_grid", str(tmp_path))
+    cat = catalog.load_catalog(cat_path)
+    sky = np.load(truth_path)["sky"]
+    assert (cat.nx, cat.ny, cat.n_bins, cat.n_los) == (40, 40, 64, 100_000)
+    assert sky.shape == (1600, 64) and np.all(sky >= 0) and cat.response == "standard"
+    # the noise is what the file says: the residual of the independent formula, in units of sigma
+    z = (cat.y - outside_skies.standard_response(sky, cat.pix, cat.d, cat.s, cat.edges)) / cat.sigma
+    assert abs(z.mean()) < 0.02 and 0.98 < z.std() < 1.02
+    e = {"chi2_per_line": 1.31, "rel_err_sky_db": 0.3, "rel_err_sky_db_oracle": 0.5, "rel_err_column": 0.01}
+    e |= {"rel_err_column_oracle": 0.2, "column_within_2sd": 0.8}
+    f = outside_skies.against_bars({"evaluation": e})
+    assert f["met"] == {"chi2": False, "sky_db_vs_oracle": True, "column_vs_oracle": True, "column_within_2sd": True}
 
 
 def test_family_lines_change_the_stars_not_the_truth(tmp_path):
