@@ -114,6 +114,39 @@ def test_prior_energy_mode_and_sd_match_the_dense_model(small):
     assert post["converged"]
 
 
+def test_the_start_is_the_ridge_solution_and_the_mode_is_the_same_from_it(small, monkeypatch):
+    cat, rad, data, shape = small
+    nb = cat.n_bins
+    with jax.enable_x64(True):
+        P = lognormal.prior(THETA, rad, shape)
+        D, t = jnp.asarray(data.D, jnp.float64), jnp.asarray(data.t, jnp.float64)
+        rng = np.random.default_rng(3)
+        sky = jnp.asarray(np.exp(np.asarray(lognormal.log_sky(P, jnp.asarray(rng.standard_normal((nb, *shape)))))))
+        sky = sky.at[0, 0, 0].set(-1.0)  # a Gaussian map may dip below zero: floored, never a NaN
+        floor = jnp.exp(P["m"] - 2 * P["sd"])[:, None, None]
+        y = jnp.log(jnp.maximum(sky, floor)) - P["m"][:, None, None]
+
+        def ridge(x):  # what start() minimises, written out
+            s = lognormal.log_sky(P, x) - P["m"][:, None, None]
+            return 0.5 * jnp.sum(x**2) + 0.5 / lognormal.START_SD**2 * jnp.sum((s - y) ** 2)
+
+        xi0 = lognormal.start(P, sky)
+        assert np.all(np.isfinite(np.asarray(xi0)))
+        g = np.asarray(jax.grad(ridge)(xi0))
+        assert np.linalg.norm(g) < 1e-9 * np.linalg.norm(np.asarray(jax.grad(ridge)(jnp.zeros_like(xi0))))
+        # the mode does not depend on where it is sought from (to the 0.5-nat stop's accuracy)
+        m0, _ = lognormal.map_estimate(P, D, t, shape, nb)
+        m1, path = lognormal.map_estimate(P, D, t, shape, nb, xi0)
+        assert lognormal.settled(path)
+        grad = jax.grad(lambda x: lognormal.energy(P, D, t, x))
+        assert np.linalg.norm(grad(m1)) < 1e-3 * np.linalg.norm(grad(jnp.zeros_like(m1)))
+        np.testing.assert_allclose(np.exp(lognormal.log_sky(P, m1)), np.exp(lognormal.log_sky(P, m0)), rtol=5e-3)
+        # a CG budget ends the search: the direction that passes it is the last
+        monkeypatch.setattr(lognormal, "NEWTON_CG_BUDGET", 1)
+        _, short = lognormal.map_estimate(P, D, t, shape, nb)
+        assert len(short) == 1 and short[0][2] >= 1
+
+
 def test_posterior_refuses_a_coarsened_grid_or_too_many_cells(small, monkeypatch):
     cat, rad, data, _ = small
     fns = np.diff(cat.edges)[None]

@@ -503,7 +503,8 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
     bound = gauss_chi2 + CHI2_SD * np.sqrt(2.0 * n_los)
 
     def poor(fit: dict) -> list:  # why a mode is not taken (none: it is)
-        why = [] if fit["converged"] else [f"its mode was not reached in {lognormal.NEWTON_STEPS} Gauss-Newton steps"]
+        steps, cg = len(fit["newton"]), sum(p[2] for p in fit["newton"])
+        why = [] if fit["converged"] else [f"its mode was not reached in {steps} Gauss-Newton steps ({cg} CG steps)"]
         if fit["chi2"] > bound:
             why.append(
                 f"it fits the lines worse (chi2 per line {fit['chi2'] / n_los:.3f}, "
@@ -520,10 +521,12 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
             kept["functionals"],
             pairs=min(lognormal.PAIRS, max(1, -(-samples // 2))),
             accept=(lambda fit: not poor(fit)) if prior == "auto" else None,
+            start_sky=r["mean"],
         )
     seconds = time.perf_counter() - t0
     fit = {
         "newton_steps": len(post["newton"]),
+        "newton_cg_steps": sum(p[2] for p in post["newton"]),
         "newton_energy": post["newton"][-1][1],
         "converged": bool(post["converged"]),
         "chi2_per_line": post["chi2"] / n_los,
