@@ -214,6 +214,11 @@ def laplace_deviation(P: dict, D: jax.Array, root: jax.Array, xi: jax.Array, key
     return d, k
 
 
+def cg_steps(path: list) -> int:
+    """The CG steps :func:`map_estimate`'s record ``path`` spent, all directions together."""
+    return sum(p[2] for p in path)
+
+
 def settled(path: list) -> bool:
     """Whether :func:`map_estimate`'s last step (``path[-1]``: energy before, after, ...) gained less
     than :data:`NEWTON_NATS`: its stopping test, and :func:`posterior`'s ``converged``."""
@@ -229,7 +234,7 @@ def map_estimate(
     record ``(energy before, after, CG steps, step length)``."""
     xi = jnp.zeros((n_bins, *shape)) if xi is None else xi
     path: list = []
-    while len(path) < NEWTON_STEPS and sum(p[2] for p in path) < NEWTON_CG_BUDGET:
+    while len(path) < NEWTON_STEPS and cg_steps(path) < NEWTON_CG_BUDGET:
         xi, e, e_new, k, a = newton_step(P, D, t, xi)
         path.append((float(e), float(e_new), int(k), float(a)))
         if settled(path):
@@ -277,7 +282,7 @@ def posterior(
 
     Raises:
         ValueError: when the grid is coarsened (blocks of pixels) or the sky has more than
-            :data:`MAX_CELLS` cells.
+            :data:`MAX_CELLS` cells; when ``start_sky`` is not a finite ``(n_pix, n_bins)`` array.
     """
     nx, ny = data.grid.shape
     n_bins = rad.r.shape[0]
@@ -289,7 +294,13 @@ def posterior(
     t0 = time.perf_counter()
     xi0 = None
     if start_sky is not None:
-        xi0 = start(P, jnp.asarray(np.asarray(start_sky, np.float64).T).reshape(n_bins, nx, ny))
+        S = np.asarray(start_sky, np.float64)
+        if S.shape != (nx * ny, n_bins) or not np.all(np.isfinite(S)):
+            raise ValueError(
+                f"start_sky: expected a finite (n_pix, n_bins) = ({nx * ny}, {n_bins}) map, got shape {S.shape}"
+                + ("" if S.shape != (nx * ny, n_bins) else " with non-finite values")
+            )
+        xi0 = start(P, jnp.asarray(S.T).reshape(n_bins, nx, ny))
     xi, path = map_estimate(P, D, t, (nx, ny), n_bins, xi0)
     t1 = time.perf_counter()
     sky = jnp.exp(log_sky(P, xi))

@@ -503,7 +503,7 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
     bound = gauss_chi2 + CHI2_SD * np.sqrt(2.0 * n_los)
 
     def poor(fit: dict) -> list:  # why a mode is not taken (none: it is)
-        steps, cg = len(fit["newton"]), sum(p[2] for p in fit["newton"])
+        steps, cg = len(fit["newton"]), lognormal.cg_steps(fit["newton"])
         why = [] if fit["converged"] else [f"its mode was not reached in {steps} Gauss-Newton steps ({cg} CG steps)"]
         if fit["chi2"] > bound:
             why.append(
@@ -526,7 +526,7 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
     seconds = time.perf_counter() - t0
     fit = {
         "newton_steps": len(post["newton"]),
-        "newton_cg_steps": sum(p[2] for p in post["newton"]),
+        "newton_cg_steps": lognormal.cg_steps(post["newton"]),
         "newton_energy": post["newton"][-1][1],
         "converged": bool(post["converged"]),
         "chi2_per_line": post["chi2"] / n_los,
