@@ -295,11 +295,11 @@ def posterior(
     xi0 = None
     if start_sky is not None:
         S = np.asarray(start_sky, np.float64)
-        if S.shape != (nx * ny, n_bins) or not np.all(np.isfinite(S)):
-            raise ValueError(
-                f"start_sky: expected a finite (n_pix, n_bins) = ({nx * ny}, {n_bins}) map, got shape {S.shape}"
-                + ("" if S.shape != (nx * ny, n_bins) else " with non-finite values")
-            )
+        want = f"start_sky: expected a finite (n_pix, n_bins) = ({nx * ny}, {n_bins}) map, got shape {S.shape}"
+        if S.shape != (nx * ny, n_bins):
+            raise ValueError(want)
+        if not np.all(np.isfinite(S)):
+            raise ValueError(want + " with non-finite values")
         xi0 = start(P, jnp.asarray(S.T).reshape(n_bins, nx, ny))
     xi, path = map_estimate(P, D, t, (nx, ny), n_bins, xi0)
     t1 = time.perf_counter()
