@@ -88,9 +88,10 @@ def test_catalog_response_entry(tmp_path):
 def _dense_prior(edges: np.ndarray, theta: np.ndarray, grid_shape: tuple, plane: bool = True):
     """The model's prior in float64, densely: ``mu`` (``n_bins``) and the covariance of ``f`` over
     (pixel, bin), ``K_xy (x) Sigma_r`` on the non-zero plane-of-sky modes plus the sky-wide mode
-    ``(amp0 / amp)^2 11^T (x) Sigma_r0`` (``Sigma_r0``: the long radial correlation alone); with
+    ``(amp0 / amp)^2 11^T (x) Sigma_r0`` (``Sigma_r0``: the long radial correlation alone, its sd
+    ``amp (mu + floor exp(a))``); with
     ``plane=False`` the pixels independent but for the sky-wide mode (``pixelwise_evidence``'s model)."""
-    a, b, c, log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2 = theta
+    a, b, c, log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2, floor = theta
     r, db = np.sqrt(edges[:-1] * edges[1:]), np.diff(edges)
     t = (2 * r - edges[0] - edges[-1]) / (edges[-1] - edges[0])  # the distance on [-1, 1]
     shape = b * t + c * t**2
@@ -99,7 +100,8 @@ def _dense_prior(edges: np.ndarray, theta: np.ndarray, grid_shape: tuple, plane:
     dr = np.abs(r[:, None] - r[None, :])
     long = np.exp(-dr / np.exp(log_ell_r))
     Sr = sig[:, None] * (long + q2 * np.exp(-dr / field3d.SHORT_PC)) / (1 + q2) * sig[None, :]
-    Sr0 = sig[:, None] * long * sig[None, :]
+    sig0 = np.exp(log_amp) * (mu + floor * np.exp(a))
+    Sr0 = sig0[:, None] * long * sig0[None, :]
     nx, ny = grid_shape
     n = nx * ny
     if plane:
@@ -166,7 +168,7 @@ def test_posterior_matches_dense_gaussian():
     nx, ny, nb = 4, 3, 12
     cat = _small_catalog(np.random.default_rng(7), nx, ny, nb, 400, np.exp(-1.0))
     edges = cat.edges
-    theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0), 0.5])
+    theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0), 0.5, 0.3])
     fns = np.stack([np.diff(edges), 1 / edges[:-1] - 1 / edges[1:]])
     mean_ref, std_ref, fsd_ref = _dense_posterior(cat, theta, (nx, ny), fns)
 
@@ -192,8 +194,9 @@ def test_pixelwise_evidence_matches_dense_gaussian():
     cat = _small_catalog(np.random.default_rng(11), nx, ny, nb, n, 0.4)
     A = _dense_lines(cat)
     rad, data = _latent_statistics(cat)
-    for q2 in (0.0, 0.8):
+    for q2, floor in ((0.0, 0.0), (0.8, 0.0), (0.8, 0.5)):
         theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(1.2), np.log(1.5), np.log(1.5), np.log(300.0), q2])
+        theta = np.append(theta, floor)
         mu, Cf = _dense_prior(cat.edges, theta, (nx, ny), plane=False)
         S = A @ Cf @ A.T + np.diag(cat.sigma.astype(np.float64) ** 2)
         res = cat.y - A @ np.tile(mu, nx * ny)
@@ -202,7 +205,7 @@ def test_pixelwise_evidence_matches_dense_gaussian():
             got = float(field3d.pixelwise_evidence(jnp.asarray(theta), data, rad) - field3d.hyperprior(theta))
         # (float32 sums of the statistics: 1e-3 measured; the sky-wide mode given the short component
         # too is 0.09 off at q2 = 0.8)
-        assert got == pytest.approx(ref, abs=0.01), q2
+        assert got == pytest.approx(ref, abs=0.01), (q2, floor)
 
 
 @pytest.fixture(scope="module")
@@ -576,17 +579,19 @@ def test_projected_step_holds_the_coordinates_pushed_out_of_the_box():
 
 def test_pixel_evidence_fit_reaches_the_box_constrained_optimum(monkeypatch):
     # the fit over PIXEL_FREE with the evidence replaced by a concave function whose optimum lies
-    # beyond q2's bound 0: it ends where L-BFGS-B does (clipping the whole Newton step instead of
-    # holding q2 stopped short: 23 nats below the optimum on steep_profile)
+    # beyond q2's and floor's bound 0: it ends where L-BFGS-B does (clipping the whole Newton step
+    # instead of holding q2 stopped short: 23 nats below the optimum on steep_profile)
     free = field3d.PIXEL_FREE
     idx = np.array([field3d.NAMES.index(n) for n in free])
     rng = np.random.default_rng(3)
     Q = np.linalg.qr(rng.standard_normal((idx.size, idx.size)))[0]
-    A = Q @ np.diag([1e4, 3e3, 1e3, 50.0, 5.0, 1.0]) @ Q.T
+    A = Q @ np.diag([1e4, 3e3, 1e3, 50.0, 5.0, 1.0, 0.5]) @ Q.T
     m = 0.5 * rng.standard_normal(idx.size)
-    m[free.index("q2")] = -0.4
+    m[free.index("q2")] = -3.0
+    m[free.index("floor")] = -3.0
     bounds = [(-5.0, 5.0)] * len(field3d.NAMES)
     bounds[field3d.NAMES.index("q2")] = (0.0, 10.0)
+    bounds[field3d.NAMES.index("floor")] = (0.0, 10.0)
 
     def toy(theta, data, rad):
         d = theta[idx] - m
@@ -595,6 +600,7 @@ def test_pixel_evidence_fit_reaches_the_box_constrained_optimum(monkeypatch):
     monkeypatch.setattr(field3d, "pixelwise_evidence", toy)
     theta0 = np.zeros(len(field3d.NAMES))
     theta0[field3d.NAMES.index("q2")] = 0.1
+    theta0[field3d.NAMES.index("floor")] = 0.1
     with jax.enable_x64(True):
         got = field3d._pixel_evidence_fit(None, None, theta0, bounds, free, log=lambda *_: None)[idx]
     ref = scipy.optimize.minimize(
@@ -605,7 +611,7 @@ def test_pixel_evidence_fit_reaches_the_box_constrained_optimum(monkeypatch):
         bounds=[bounds[i] for i in idx],
         options={"ftol": 1e-15, "gtol": 1e-12},
     ).x
-    assert got[free.index("q2")] == 0.0
+    assert got[free.index("q2")] == 0.0 and got[free.index("floor")] == 0.0
     np.testing.assert_allclose(got, ref, atol=1e-4)
 
 

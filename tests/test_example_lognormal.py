@@ -23,14 +23,15 @@ import lognormal
 import reconstruct
 from test_example_field3d import _dense_lines, _latent_statistics, _small_catalog
 
-THETA = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0), 0.5])
+# (the last, field3d's sky-wide sd floor, is the Gaussian field's alone: the log field's sd is the same in every bin)
+THETA = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(0.3), np.log(1.5), np.log(1.5), np.log(300.0), 0.5, 0.3])
 
 
 def _dense_log_covariance(edges: np.ndarray, theta: np.ndarray, shape: tuple) -> np.ndarray:
     """``Cov(s)`` over (bin, pixel) in :func:`lognormal.log_sky`'s order: ``C_r (x) K_xy`` plus the
     sky-wide mode's ``C_r0 (x) 11^T``, ``C_r = ln(1 + amp^2) R(ell_r, q^2)``, ``C_r0 = ln(1 + amp0^2)
     R(ell_r)``, ``K_xy`` the unit-variance periodic spectrum without its zero mode."""
-    _, _, _, log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2 = theta
+    log_amp, log_amp0, log_ell, log_slope, log_ell_r, q2 = theta[3:9]
     r = np.sqrt(edges[:-1] * edges[1:])
     dr = np.abs(r[:, None] - r[None, :])
     long = np.exp(-dr / np.exp(log_ell_r))

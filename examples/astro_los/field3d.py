@@ -14,18 +14,22 @@ Model (nothing in it comes from a generator of synthetic skies)::
   the short component, its weight ``q^2`` learned, loosens that tie where the evidence asks for it);
 * ``K_xy``: a stationary correlation on the periodic plane-of-sky grid, power
   ``(1 + (2 pi ell_xy k)^2)^-slope`` (unit variance), plus its zero mode (the field's mean over the
-  sky, the same at every pixel) with variance ``(amp0 / amp)^2``: the mean radial profile is
-  ``mu (1 + amp0 zeta_0)``, ``zeta_0`` a Gaussian process along the line, learned with the rest;
+  sky, the same at every pixel): the mean radial profile is ``mu_k + amp0 (mu_k + floor exp(a)) zeta_0k``,
+  ``zeta_0`` a Gaussian process along the line (the long correlation alone), learned with the rest. The
+  floor lets the profile be flat where the log-quadratic falls away: with the sd proportional to ``mu``
+  alone, a far dense layer (``outside_skies.py``'s ``far_ring``) pulled the learned profile to a peak
+  that left the near bins 90x below the truth with an sd that small, and none of the ``1/r^2``-weighted
+  columns within 2 sd; the evidence learns ``floor`` (0: the sd proportional to the profile);
 * ``t_k`` the bin centre's distance ``r`` (pc, not ``ln r``: where no star constrains the profile, near
   the observer, it stays nearly flat rather than following a parabola in ``ln r``) mapped onto
   ``[-1, 1]``; ``exp(a)`` the density's mean over distance (``sum_k mu_k db_k / sum_k db_k``).
 
-``theta = (a, b, c, ln amp, ln amp0, ln ell_xy, ln slope, ln ell_r, q^2)`` maximises the evidence
+``theta = (a, b, c, ln amp, ln amp0, ln ell_xy, ln slope, ln ell_r, q^2, floor)`` maximises the evidence
 ``p(y | theta)`` (type-II maximum likelihood) times a hyperprior ``b, c ~ N(0, 1)`` (flat within
-bounds for the rest), in two stages (:func:`reconstruct`): first ``b, c, amp, amp0, ell_r, q`` by the
+bounds for the rest), in two stages (:func:`reconstruct`): first ``b, c, amp, amp0, ell_r, q, floor`` by the
 exact evidence of the model without plane-of-sky correlation (:func:`pixelwise_evidence`, Newton
 steps), ``a`` held at the lines' best log-quadratic profile (:func:`start_and_bounds`; see
-:data:`PIXEL_FREE`); then all but ``a`` by the full model's evidence (:func:`fit_hyperparameters`,
+:data:`PIXEL_FREE`); then all but ``a`` and ``floor`` by the full model's evidence (:func:`fit_hyperparameters`,
 quasi-Newton; ``b, c`` too since session 32: the model without plane-of-sky correlation chose a mean
 profile that left a far dense layer 1.93x the oracle's error, the full model's 0.70x,
 ``outside_skies.py``), whose gradient is the posterior mean of the gradient of ``log p(y | field, theta)``
@@ -73,7 +77,7 @@ from catalog import Catalog
 
 import chunkop
 
-NAMES = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_xy", "log_slope", "log_ell_r", "q2")
+NAMES = ("a", "b", "c", "log_amp", "log_amp0", "log_ell_xy", "log_slope", "log_ell_r", "q2", "floor")
 SHORT_PC = 50.0  # the short radial component's correlation length (pc; radial_correlation)
 SHAPE_PRIOR_SD = 1.0  # hyperprior sd of the mean profile's shape b, c (flat in density unless the data say otherwise)
 TRUNCATION = 1.0  # the radial basis moves no line by more than this many noise sd (truncate)
@@ -92,7 +96,11 @@ LEARN = {
     "gain": 0.5,
     "cg_iters": 1000,
     "tol": 0.003,
-    "fixed": ("a",),  # (the level: the sky-wide mode moves it as ``a`` does; see PIXEL_FREE)
+    # the level (the sky-wide mode moves it as ``a`` does; see PIXEL_FREE) and the sky-wide sd's floor,
+    # the pixel-by-pixel evidence's (exact): where the sky-wide mode is nearly off (amp0 ~ 1e-3 on the tiny
+    # catalog) the floor moves nothing, and the full fit's sampled gradient let it and amp wander (floor
+    # 0.25, the columns within 2 sd 86% -> 76%); held, a floor of 0 leaves the fit as it was
+    "fixed": ("a", "floor"),
 }
 
 
@@ -501,7 +509,8 @@ class Prior:
     """``theta``'s prior on the latent grid: ``mu`` (``n_bins``), the per-pixel field's ``Sigma_r``
     (``n_bins x n_bins``) and ``L`` (``J x J``, ``L L^T = V^T Sigma_r V``), the sky-wide mode's
     ``Sigma_r0`` and ``L0`` (the long radial correlation alone: the short one is a pixel's own, not
-    the sky's), and the square root of the plane-of-sky power (its zero mode: the sky-wide mode's)."""
+    the sky's; its sd ``amp (mu + floor exp(a))``, scaled by ``amp0 / amp`` in ``sq``), and the square
+    root of the plane-of-sky power (its zero mode: the sky-wide mode's)."""
 
     mu: jax.Array
     sigma_r: jax.Array
@@ -523,9 +532,11 @@ def prior_of(theta: Any, rad: Radial, grid: Grid) -> Prior:
     amp, amp0 = jnp.exp(theta[3]), jnp.exp(theta[4])
     sig = amp * mu
     sigma_r = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7]), theta[8]) * sig[None, :]
-    # (at q2 = 0 the two are equal, and both are still factored: the pixel-by-pixel fit asks at that
-    # bound whether to leave it, and the evidence's derivative in q2 there flows through L alone)
-    sigma_r0 = sig[:, None] * radial_correlation(rad.r, jnp.exp(theta[7])) * sig[None, :]
+    # the sky-wide mode's sd follows the profile down to a floor, floor x exp(a), in every bin (:data:`NAMES`)
+    # (at q2 = 0 and floor = 0 the two are equal, and both are still factored: the pixel-by-pixel fit asks
+    # at those bounds whether to leave them, and the evidence's derivative in q2 there flows through L alone)
+    sig0 = amp * (mu + theta[9] * jnp.exp(theta[0]))
+    sigma_r0 = sig0[:, None] * radial_correlation(rad.r, jnp.exp(theta[7])) * sig0[None, :]
 
     def chol(S: jax.Array) -> jax.Array:
         C = rad.V.T @ S @ rad.V
@@ -756,7 +767,9 @@ def pixelwise_evidence(theta: Any, data: Data, rad: Radial) -> jax.Array:
     the radial hyperparameters (each pixel's marginal is the full model's): the full fit's start."""
     prior = prior_of(theta, rad, data.grid)
     L, ratio = prior.L, prior.k0 - 1.0
-    # M = L^-1 L0 is bounded: M M^T <= (1 + q2) I, as Sigma_r >= Sigma_r0 / (1 + q2)
+    # M = L^-1 L0 is bounded: at floor 0, M M^T <= (1 + q2) I, as Sigma_r >= Sigma_r0 / (1 + q2); a floor
+    # multiplies that bound by up to (1 + floor max_k exp(a) / mu_k)^2 (~1e6 where a profile peaked far
+    # away leaves the near bins at 1e-3 exp(a): float64 holds it)
     M = jax.scipy.linalg.solve_triangular(L, prior.L0, lower=True)
     D, t = data.D.astype(L.dtype), data.t.astype(L.dtype)
     mu_v = rad.V.T @ prior.mu
@@ -878,11 +891,13 @@ def _line_sums(g: np.ndarray, iv: np.ndarray, y: np.ndarray, block: int = 1 << 2
 
 def start_and_bounds(cat: Catalog, g: np.ndarray, rad: Radial) -> tuple[np.ndarray, list]:
     """Generic starting values (the best-fitting log-quadratic mean profile, field sd 0.5, a tenth of
-    the grid across, 1/20 of the distance range along the line) and bounds for ``theta``."""
+    the grid across, 1/20 of the distance range along the line, ``q^2`` 0.1, the sky-wide mode's sd
+    floor 0.1 x the mean density; from 0, the model without it, the Newton steps left that bound slowly:
+    19 steps to far_ring's 0.49, 9 from 0.1) and bounds for ``theta``."""
     abc = mean_profile_fit(cat, g, rad)
     span = float(cat.edges[-1] - cat.edges[0])
     n = max(cat.nx, cat.ny)
-    theta0 = np.array([*abc, np.log(0.5), np.log(0.5), np.log(n / 10.0), np.log(2.0), np.log(span / 20.0), 0.1])
+    theta0 = np.array([*abc, np.log(0.5), np.log(0.5), np.log(n / 10.0), np.log(2.0), np.log(span / 20.0), 0.1, 0.1])
     bounds = [
         (abc[0] - 20.0, abc[0] + 20.0),
         (-6.0, 6.0),
@@ -892,6 +907,7 @@ def start_and_bounds(cat: Catalog, g: np.ndarray, rad: Radial) -> tuple[np.ndarr
         (np.log(0.3), np.log(float(n))),
         (np.log(1.05), np.log(50.0)),
         (np.log(float(np.min(np.diff(cat.edges)))), np.log(10.0 * span)),
+        (0.0, 10.0),
         (0.0, 10.0),
     ]
     theta0[1:3] = np.clip(theta0[1:3], -6.0, 6.0)
@@ -1215,12 +1231,13 @@ def _pixel_evidence_fit(
 #: the lines' best log-quadratic profile, the same statistics take 9 steps to ``amp`` 0.43, and the
 #: default catalog's and 13.24M lines' evidence is as high as with ``a`` free (0.3 nats higher at
 #: the default size, where the free fit stopped on the ridge).
-PIXEL_FREE = ("b", "c", "log_amp", "log_amp0", "log_ell_r", "q2")
+PIXEL_FREE = ("b", "c", "log_amp", "log_amp0", "log_ell_r", "q2", "floor")
 
 #: the bounds that are an answer, not the edge of a search range, by name: (lower, upper) with True for
 #: an answer; :func:`at_bounds` warns of the others. ``q2 = 0`` is the model without the short radial
-#: component (the two smooth-profile truths learn it)
-ANSWER_BOUNDS = {"q2": (True, False)}
+#: component (the two smooth-profile truths learn it); ``floor = 0`` the sky-wide mode's sd proportional
+#: to the profile
+ANSWER_BOUNDS = {"q2": (True, False), "floor": (True, False)}
 
 #: what the posterior's summaries may be trusted for: a pixel's column is "constrained" when the data
 #: cut its prior sd by at least this factor
@@ -1229,7 +1246,8 @@ CONSTRAINED = 2.0
 
 def at_bounds(theta: np.ndarray, bounds: list) -> list:
     """The hyperparameters within 1e-3 of their range of a bound, for the fit's warnings; not at a bound
-    that :data:`ANSWER_BOUNDS` names (``q2 = 0``, the model without the short radial component).
+    that :data:`ANSWER_BOUNDS` names (``q2 = 0``, the model without the short radial component, and
+    ``floor = 0``)
 
     Example:
         >>> at_bounds(np.zeros(len(NAMES)), [(0.0, 1.0)] * len(NAMES))
@@ -1373,6 +1391,7 @@ def reconstruct(
         "slope": float(np.exp(theta[6])),
         "ell_r_pc": float(np.exp(theta[7])),
         "q": float(np.sqrt(theta[8])),
+        "floor": float(theta[9]),
         "latent_factor": post_grid.factor,
         "learn_factor": learn_grid.factor,
         "fit": {k: v for k, v in fit.items() if k not in ("theta_cov", "options")},
@@ -1383,7 +1402,8 @@ def reconstruct(
         + ", ".join(f"{n}={t:.3g}" for n, t in zip(NAMES, theta))
         + f" (field sd {hyper['amp']:.2f} x mean, along the line {hyper['ell_r_pc']:.0f} pc and {SHORT_PC:.0f} pc "
         f"with q {hyper['q']:.2f}, on the sky "
-        f"{hyper['ell_pixels']:.1f} px; {time.perf_counter() - t0:.1f}s)"
+        f"{hyper['ell_pixels']:.1f} px; the sky-wide mode's sd floor {hyper['floor']:.2f} x mean; "
+        f"{time.perf_counter() - t0:.1f}s)"
     )
     return {
         "mean": post["mean"][lat],

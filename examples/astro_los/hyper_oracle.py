@@ -4,7 +4,7 @@
 
 A diagnostic, never part of a reconstruction. For each truth family (``families.py``, catalogs written
 afresh from the same seeds) it reconstructs the catalog as ``reconstruct.py --data`` does
-(``field3d.reconstruct``: every hyperparameter from the catalog alone), then searches all nine
+(``field3d.reconstruct``: every hyperparameter from the catalog alone), then searches all the
 hyperparameters ``theta`` (Nelder-Mead from the learned point, within the fit's bounds, ``--evals``
 posterior solves) for the posterior mean closest to the truth, scored as the families' table scores a
 map: the sky's error weighted by bin length over the oracle's (the truth's mean radial profile at
@@ -34,9 +34,9 @@ import reconstruct
 from catalog import load_catalog
 
 #: the Nelder-Mead simplex's first steps per hyperparameter (``field3d.NAMES``): a tenth of the
-#: mean profile's level and shape, half an e-fold of each scale, one unit of ``q^2``
+#: mean profile's level and shape, half an e-fold of each scale, one unit of ``q^2``, a tenth of the floor's
 STEPS = {"a": 0.1, "b": 0.3, "c": 0.3, "log_amp": 0.5, "log_amp0": 0.5, "log_ell_xy": 0.5, "log_slope": 0.3}
-STEPS |= {"log_ell_r": 0.5, "q2": 1.0}
+STEPS |= {"log_ell_r": 0.5, "q2": 1.0, "floor": 0.1}
 
 
 def ratio(mean: np.ndarray, sky: np.ndarray, db: np.ndarray, near: np.ndarray) -> tuple[float, float]:

@@ -76,7 +76,9 @@ def prior(theta: np.ndarray, rad: field3d.Radial, shape: tuple[int, int]) -> dic
     """The log-normal field's prior, its moments matched to ``field3d``'s ``theta`` (see the module).
 
     Args:
-        theta: ``field3d.NAMES``' values, as ``field3d.reconstruct`` learned them.
+        theta: ``field3d.NAMES``' values, as ``field3d.reconstruct`` learned them (but ``floor``: the
+            Gaussian field's sky-wide sd follows the profile down to it, the log field's sd is the same
+            in every bin).
         rad: the radial geometry (``field3d.Radial``).
         shape: the plane-of-sky grid, ``(nx, ny)``.
 
@@ -89,7 +91,7 @@ def prior(theta: np.ndarray, rad: field3d.Radial, shape: tuple[int, int]) -> dic
         >>> import numpy as np, jax
         >>> with jax.enable_x64(True):
         ...     rad = field3d.Radial.of(np.array([40.0, 100.0, 300.0]), np.eye(2))
-        ...     P = prior(np.array([0.0, 0, 0, np.log(0.5), np.log(0.5), 0, 0, 5, 0]), rad, (4, 4))
+        ...     P = prior(np.array([0.0, 0, 0, np.log(0.5), np.log(0.5), 0, 0, 5, 0, 0]), rad, (4, 4))
         ...     var = np.diag(np.asarray(P["L"]) @ np.asarray(P["L"]).T)
         >>> P["L"].shape, bool(np.allclose(var, np.log1p(0.25)))
         ((2, 2), True)
