@@ -257,6 +257,25 @@ def test_hyper_oracle_resolves_the_learned_map_and_never_does_worse():
     assert 0.0 <= r["tuned_near_share"] <= 1.0 and len(r["tuned_theta"]) == len(field3d.NAMES)
 
 
+def test_hyper_oracle_outside_takes_outside_skies_catalogs(monkeypatch):
+    # --outside: the catalog and truth come from outside_skies.make_family (here a tiny family in its
+    # place: the outside skies' 131072 lines are a benchmark's), and the search runs on them
+    import families
+    import hyper_oracle
+    import outside_skies
+
+    asked = []
+
+    def make_family(name, out, seed=0):
+        asked.append(name)
+        return families.write_family("compact_clouds", out, "tiny")
+
+    monkeypatch.setattr(outside_skies, "make_family", make_family)
+    r = hyper_oracle.tune("far_ring", "default", evals=4, log=lambda m: None, outside=True)
+    assert asked == ["far_ring"]
+    assert r["learned_ratio_resolved"] == pytest.approx(r["learned_ratio"], rel=1e-6) and r["solves"] <= 6
+
+
 def test_bounded_compression_keeps_the_leading_vectors_exactly(monkeypatch):
     # many lines: compress_lines computes MAX_BASIS radial vectors per line, not all n_bins; the
     # leading columns, w . 1, and truncate's choice and errors are those of the full compression

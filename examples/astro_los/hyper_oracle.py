@@ -1,9 +1,11 @@
 """How far is the learned map from the best map the 3-D prior can give? Its hyperparameters tuned on the truth.
 
     python examples/astro_los/hyper_oracle.py [--size default] [--family NAME ...] [--evals N] [--out FILE]
+    python examples/astro_los/hyper_oracle.py --outside NAME ... [--evals N] [--out FILE]
 
 A diagnostic, never part of a reconstruction. For each truth family (``families.py``, catalogs written
-afresh from the same seeds) it reconstructs the catalog as ``reconstruct.py --data`` does
+afresh from the same seeds; with ``--outside``, ``outside_skies.py``'s skies on their own grids, seed 0,
+as ``outside_skies.py --run`` writes them) it reconstructs the catalog as ``reconstruct.py --data`` does
 (``field3d.reconstruct``: every hyperparameter from the catalog alone), then searches all the
 hyperparameters ``theta`` (Nelder-Mead from the learned point, within the fit's bounds, ``--evals``
 posterior solves) for the posterior mean closest to the truth, scored as the families' table scores a
@@ -30,6 +32,7 @@ import scipy.optimize
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import families
 import field3d
+import outside_skies
 import reconstruct
 from catalog import load_catalog
 
@@ -64,10 +67,14 @@ def ratio(mean: np.ndarray, sky: np.ndarray, db: np.ndarray, near: np.ndarray) -
     return float(np.sqrt(e2.sum() / o2)), float(e2[near].sum() / e2.sum())
 
 
-def tune(name: str, size: str, evals: int, log=print) -> dict:
-    """One family: the learned map's ratio, then the truth-tuned ``theta``'s."""
+def tune(name: str, size: str, evals: int, log=print, outside: bool = False) -> dict:
+    """One family (``families.py``'s at ``size``, or with ``outside`` ``outside_skies.py``'s): the learned
+    map's ratio, then the truth-tuned ``theta``'s."""
     with tempfile.TemporaryDirectory() as tmp:
-        cat_path, truth_path = families.write_family(name, tmp, size)
+        if outside:
+            cat_path, truth_path = outside_skies.make_family(name, tmp)
+        else:
+            cat_path, truth_path = families.write_family(name, tmp, size)
         cat = load_catalog(cat_path)
         sky = np.load(truth_path)["sky"]
     db = np.diff(cat.edges)
@@ -126,11 +133,15 @@ def main(argv: list[str] | None = None) -> None:
         default=["compact_clouds", "local_bubble", "thin_sheet", "lognormal_3d"],
         choices=families.FAMILIES,
     )
+    p.add_argument(
+        "--outside", nargs="+", default=None, choices=outside_skies.FAMILIES, help="outside_skies.py's skies instead"
+    )
     p.add_argument("--evals", type=int, default=150, help="posterior solves per family (default 150)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "astro_hyper_oracle.json"))
     a = p.parse_args(argv)
-    header = {"size": a.size, "names": list(field3d.NAMES), "jax": jax.__version__}
-    families.record(a.out, header, a.family, lambda name: tune(name, a.size, a.evals))
+    names = a.outside or a.family
+    header = {"size": "outside_skies.py" if a.outside else a.size, "names": list(field3d.NAMES), "jax": jax.__version__}
+    families.record(a.out, header, names, lambda name: tune(name, a.size, a.evals, outside=a.outside is not None))
 
 
 if __name__ == "__main__":
