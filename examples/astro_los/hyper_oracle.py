@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--family",
         nargs="*",
-        default=["compact_clouds", "local_bubble", "thin_sheet", "lognormal_3d"],
+        default=None,
         choices=families.FAMILIES,
+        help="families.py's truths (default: compact_clouds local_bubble thin_sheet lognormal_3d)",
     )
     p.add_argument(
         "--outside", nargs="+", default=None, choices=outside_skies.FAMILIES, help="outside_skies.py's skies instead"
@@ -139,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--evals", type=int, default=150, help="posterior solves per family (default 150)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "astro_hyper_oracle.json"))
     a = p.parse_args(argv)
-    names = a.outside or a.family
+    if a.outside and a.family:
+        p.error("--family and --outside name different skies: give one of them")
+    names = a.outside or a.family or ["compact_clouds", "local_bubble", "thin_sheet", "lognormal_3d"]
     header = {"size": "outside_skies.py" if a.outside else a.size, "names": list(field3d.NAMES), "jax": jax.__version__}
     families.record(a.out, header, names, lambda name: tune(name, a.size, a.evals, outside=a.outside is not None))
 
