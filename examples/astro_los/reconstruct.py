@@ -1195,7 +1195,8 @@ def make_figures(out: str, cat: Catalog, rec: dict, truth: dict | None) -> list:
     ax.set_ylabel("density (sky units)")
     h = rec["hyper"]
     along = (
-        f"\nalong the line {h['ell_r_pc']:.0f} pc and {field3d.SHORT_PC:.0f} pc with q {h['q']:.2f}"
+        f"\nalong the line {h['ell_r_pc']:.0f} pc and {field3d.SHORT_PC:.0f} pc with q {h['q']:.2f}; "
+        f"sky-wide sd {h['amp0']:.2f} x (mean + {h['floor']:.2f} x its average)"
         if "ell_r_pc" in h  # (the 3-D prior's: the standard response)
         else ""
     )
