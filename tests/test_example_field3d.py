@@ -244,6 +244,32 @@ def test_tiny_standard_reconstruction_from_the_cli(tiny_standard):
     assert "a" not in field3d.PIXEL_FREE and h["names"][0] == "a"
     assert h["theta"][0] == pytest.approx(np.mean(h["bounds"][0]), abs=1e-9)
     assert h["fit"]["pixelwise_theta"][0] == h["theta"][0]
+    # the negative share recorded is that of the map written (the tiny run keeps the log-normal
+    # field's, positive: no warning)
+    nd = summ["negative_density"]
+    assert nd == reconstruct.negative_density(mean, std, db)
+    assert nd["mass"] <= reconstruct.NEGATIVE_MASS
+    assert not any("density is negative" in w for w in summ["warnings"])
+
+
+def test_negative_density_counts_every_block_against_numpy():
+    # more pixels than one block (65536 rows), negative cells in both blocks
+    rng = np.random.default_rng(5)
+    m = rng.normal(1.0, 1.0, (70001, 3))
+    s = rng.uniform(0.1, 1.0, m.shape)
+    db = np.array([1.0, 2.0, 4.0])
+    nd = reconstruct.negative_density(m.astype(np.float32), s.astype(np.float32), db)
+    m, s = m.astype(np.float32).astype(np.float64), s.astype(np.float32).astype(np.float64)
+    assert nd["cells"] == pytest.approx(np.mean(m < 0), rel=1e-12)
+    assert nd["mass"] == pytest.approx(-np.sum(np.minimum(m, 0) * db) / np.sum(np.maximum(m, 0) * db), rel=1e-9)
+    assert nd["beyond_2sd"] == pytest.approx(np.mean(m + 2 * s < 0), rel=1e-12)
+    assert 0 < nd["beyond_2sd"] < nd["cells"]
+
+
+def test_negative_warning_names_the_shares_above_its_threshold():
+    assert reconstruct.negative_warnings({"cells": 0.2, "mass": reconstruct.NEGATIVE_MASS, "beyond_2sd": 0.1}) == []
+    (w,) = reconstruct.negative_warnings({"cells": 0.0473, "mass": 0.0555, "beyond_2sd": 0.0})
+    assert "negative in 4.7% of its cells, 5.5% of its mass" in w and "0.00% of the cells" in w
 
 
 def test_hyper_oracle_resolves_the_learned_map_and_never_does_worse():

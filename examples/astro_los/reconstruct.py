@@ -468,6 +468,7 @@ def reconstruct_standard(
     summ["residual_fraction_beyond_3"] = float(np.mean(np.abs(resid) > 3))
     summ["column_rel_std_median"] = float(np.median(r["column_std"] / np.abs(r["column"])))
     summ["wcolumn_rel_std_median"] = float(np.median(r["wcolumn_std"] / np.abs(r["wcolumn"])))
+    summ["negative_density"] = negative_density(r["mean"], r["std"], np.diff(cat.edges))
     log(
         f"fit: chi2 per line {summ['chi2_per_line']:.3f} (noise = 1), "
         f"{100 * summ['residual_fraction_beyond_3']:.2f}% beyond 3 sigma"
@@ -570,6 +571,45 @@ CHI2_SD = 3.0
 #: a radial bin is reported as unconstrained when its median posterior sd exceeds this fraction of the prior's
 UNCONSTRAINED_BIN = 0.8
 
+#: the map is reported as partly negative when its negative cells hold more than this share of its mass
+NEGATIVE_MASS = 0.01
+
+
+def negative_density(mean: np.ndarray, std: np.ndarray, db: np.ndarray) -> dict:
+    """Where a map ``(n_pix, n_bins)`` is negative (the Gaussian field allows it; the log-normal one
+    cannot): the share of its cells below zero, their mass against the positive cells' (both weighted
+    by the bin lengths ``db``), and the share of cells more than 2 posterior sd (``std``) below zero.
+    In blocks of pixels: no sky-sized temporaries at the users' size.
+
+    Example:
+        >>> m = np.array([[1.0, -0.5], [2.0, 0.5]])
+        >>> nd = negative_density(m, np.full_like(m, 0.1), np.array([1.0, 2.0]))
+        >>> nd["cells"], nd["mass"], nd["beyond_2sd"]
+        (0.25, 0.25, 0.25)
+    """
+    db = np.asarray(db, np.float64)
+    n = pos = neg = beyond = 0.0
+    for i in range(0, mean.shape[0], 65536):
+        m = np.asarray(mean[i : i + 65536], np.float64)
+        n += float(np.sum(m < 0))
+        pos += float(np.sum(np.maximum(m, 0) @ db))
+        neg -= float(np.sum(np.minimum(m, 0) @ db))
+        beyond += float(np.sum(m + 2 * np.asarray(std[i : i + 65536], np.float64) < 0))
+    cells = mean.shape[0] * mean.shape[1]
+    return {"cells": n / cells, "mass": neg / max(pos, 1e-300), "beyond_2sd": beyond / cells}
+
+
+def negative_warnings(nd: dict) -> list:
+    """The warning on :func:`negative_density`'s figures ``nd`` when the negative cells hold more than
+    :data:`NEGATIVE_MASS` of the map's mass (none below)."""
+    if nd["mass"] <= NEGATIVE_MASS:
+        return []
+    return [
+        f"the map's density is negative in {100 * nd['cells']:.1f}% of its cells, {100 * nd['mass']:.1f}% of its "
+        f"mass (weighted by bin length; {100 * nd['beyond_2sd']:.2f}% of the cells more than 2 posterior sd below "
+        "zero): the Gaussian field allows it; read those cells as consistent with zero where their sd reaches it"
+    ]
+
 
 def s_warnings(cat: Catalog) -> list:
     """Warnings on the catalog's ``s`` under the standard response, where ``s`` is the sd of the star's
@@ -608,7 +648,8 @@ def _fit_warnings(hyper: dict, chi2: float, cat: Catalog, example: str) -> list:
 def warnings_standard(summ: dict, r: dict, cat: Catalog) -> list:
     """The 3-D prior's warnings, from the catalog's run alone: ``s`` in a suspicious unit
     (:func:`s_warnings`), pixels whose column the data barely constrain, distances no star
-    constrains, hyperparameters at a bound, a poor fit, unconverged CG, a poor log-normal mode."""
+    constrains, a map negative in more than :data:`NEGATIVE_MASS` of its mass, hyperparameters at a
+    bound, a poor fit, unconverged CG, a poor log-normal mode."""
     w = s_warnings(cat) + ([r["prior"]["warning"]] if "warning" in r.get("prior", {}) else [])
     loose = r["column_std"] * field3d.CONSTRAINED > r["column_prior_sd"]
     if np.any(loose):
@@ -638,6 +679,7 @@ def warnings_standard(summ: dict, r: dict, cat: Catalog) -> list:
             "are nearer than the first constrained bin): where along the line the dust lies there is not measured, "
             "only its sum with the rest of the column; see posterior_std.npy"
         )
+    w += negative_warnings(summ["negative_density"])
     w += _fit_warnings(r["hyper"], summ["chi2_per_line"], cat, "")
     if r["posterior"]["cg_error_sd"] > 0.05:
         w.append(f"CG stopped {r['posterior']['cg_error_sd']:.2g} posterior sd from the solution")
