@@ -208,6 +208,40 @@ def test_pixelwise_evidence_matches_dense_gaussian():
         assert got == pytest.approx(ref, abs=0.01), (q2, floor)
 
 
+def test_nonnegative_is_each_pixels_constrained_optimum():
+    # the map made a density: per pixel argmin_{x >= 0} (x - m)^T Q (x - m), Q = Sigma^-1 + V D_p V^T,
+    # held to the KKT conditions (an exact certificate for a convex QP) with Sigma from the dense float64
+    # prior, and to L-BFGS-B's optimum
+    from scipy.optimize import minimize
+
+    nx, ny, nb, n = 3, 2, 10, 150
+    cat = _small_catalog(np.random.default_rng(3), nx, ny, nb, n, 0.4)
+    rad, data = _latent_statistics(cat)
+    theta = np.array([-1.0, -0.5, 0.3, np.log(0.4), np.log(1.2), np.log(1.5), np.log(1.5), np.log(300.0), 0.8, 0.3])
+    mu, Cf = _dense_prior(cat.edges, theta, (nx, ny), plane=False)
+    S = Cf[:nb, :nb]  # one pixel's bins: the field's and the sky-wide mode's
+    mean = mu + 0.6 * np.random.default_rng(4).standard_normal((nx * ny, nb)) * np.sqrt(np.diag(S))
+    mean[0] = np.abs(mean[0])  # one pixel already a density: returned as it is
+    sky, info = field3d.nonnegative(mean, theta, data, rad)
+    assert info["pixels"] == int(np.sum(np.any(mean < 0, 1))) >= 4 and info["cells"] == int(np.sum(mean < 0))
+    assert np.array_equal(sky[0], mean[0]) and np.all(sky >= 0) and sky.dtype == mean.dtype
+    V = np.asarray(rad.V, np.float64)
+    for p in range(1, nx * ny):
+        Q = np.linalg.inv(S) + V @ np.asarray(data.D[p], np.float64) @ V.T
+        g = Q @ (sky[p] - mean[p])
+        scale = np.abs(Q).max() * np.abs(mean[p]).max()
+        free = sky[p] > 0
+        assert np.all(np.abs(g[free]) <= 1e-9 * scale) and np.all(g[~free] >= -1e-9 * scale), p
+        f = lambda x, p=p, Q=Q: (0.5 * (x - mean[p]) @ Q @ (x - mean[p]), Q @ (x - mean[p]))
+        ref = minimize(f, np.maximum(mean[p], 0), jac=True, method="L-BFGS-B", bounds=[(0, None)] * nb)
+        assert f(sky[p])[0] <= ref.fun * (1 + 1e-6) + 1e-12
+    coarse = field3d.Data(D=data.D, t=data.t, yy=data.yy, log_norm=data.log_norm, grid=field3d.grid_for(nx, ny, 2))
+    with pytest.raises(ValueError, match="coarsened 2-fold"):
+        field3d.nonnegative(mean, theta, coarse, rad)
+    with pytest.raises(ValueError, match=r"mean: expected .* \(6, 10\), got \(6, 9\)"):
+        field3d.nonnegative(mean[:, 1:], theta, data, rad)
+
+
 @pytest.fixture(scope="module")
 def tiny_standard(tmp_path_factory):
     out = tmp_path_factory.mktemp("standard")

@@ -216,6 +216,15 @@ def test_a_poor_mode_asked_for_is_kept_with_a_warning_and_auto_says_why(small, m
     asked = reconstruct.reconstruct_standard(cat, samples=4, figures=False, prior="lognormal")["summary"]
     assert asked["prior"]["name"] == "lognormal" and not asked["prior"]["converged"]
     assert any("log-normal prior was asked for, but its mode was not reached" in w for w in asked["warnings"])
-    auto = reconstruct.reconstruct_standard(cat, samples=4, figures=False, prior="auto")["summary"]
+    rec = reconstruct.reconstruct_standard(cat, samples=4, figures=False, prior="auto")
+    auto = rec["summary"]
     assert auto["prior"]["name"] == "gaussian" and "not reached in 1 Gauss-Newton" in auto["prior"]["why"]
     assert not any("log-normal" in w for w in auto["warnings"])
+    # the Gaussian map kept is made a density (field3d.nonnegative), its columns those of the map written
+    assert set(auto["prior"]["nonnegative"]) == {"pixels", "cells", "seconds"}
+    assert np.all(rec["mean"] >= 0) and auto["negative_density"]["cells"] == 0
+    np.testing.assert_allclose(rec["column"], rec["mean"].astype(np.float64) @ np.diff(cat.edges), rtol=1e-12)
+    # beyond what the whole sky holds, the map stays the posterior mean and the prior record says why
+    monkeypatch.setattr(lognormal, "MAX_CELLS", cat.n_pix * cat.n_bins - 1)
+    big = reconstruct.reconstruct_standard(cat, samples=4, figures=False, prior="gaussian")["summary"]
+    assert "at most" in big["prior"]["nonnegative"] and "cells" in big["negative_density"]

@@ -1153,6 +1153,67 @@ def posterior(
     }
 
 
+def nonnegative(mean: np.ndarray, theta: Any, data: Data, rad: Radial) -> tuple[np.ndarray, dict]:
+    """The posterior mean made a density: in every latent pixel where ``mean`` dips below zero, the
+    non-negative sky nearest to it in that pixel's posterior metric,
+    ``argmin_{x >= 0} (x - m_p)^T Q_p (x - m_p)``, ``Q_p = Sigma^-1 + V D_p V^T`` (``Sigma``: the prior's
+    covariance of a pixel's bins, :attr:`Prior.variance`; ``V D_p V^T``: what the pixel's lines measure).
+
+    It is the mode of the Gaussian posterior restricted to densities, pixel by pixel (the plane-of-sky
+    coupling left out of the metric): mass moves along the line where the data do not see it (what
+    ``Q_p`` weighs least) and stays where they do, so the lines' fit and the columns hardly move.
+    Clipping the mean at zero instead moved what the lines measure (``far_ring``, ``outside_skies.py``:
+    chi2 per line 0.923 -> 21.3); this, 0.923 -> 0.925, and the sky's error 0.61x -> 0.45x the oracle's.
+    Each pixel is a non-negative least-squares problem (``scipy.optimize.nnls`` on ``Q_p``'s Cholesky
+    factor, Lawson-Hanson: exact). Pixels already non-negative are returned as they are.
+
+    Args:
+        mean: the posterior mean, ``(n_lat, n_bins)`` on ``data``'s latent grid, which must hold every
+            pixel (``data.grid.factor == 1``).
+        theta: the hyperparameters (:data:`NAMES`).
+        data: the per-pixel statistics (``D``: ``(n_lat, J, J)``).
+        rad: the radial geometry (``V``: ``(n_bins, J)``).
+
+    Returns:
+        ``(sky, info)``: the non-negative sky (``mean``'s shape and dtype) and ``{"pixels": the pixels
+        moved, "cells": the cells below zero before, "seconds"}``.
+
+    Raises:
+        ValueError: when the latent grid is coarsened, or ``mean`` is not ``(n_lat, n_bins)``.
+
+    Example:
+        >>> with jax.enable_x64(True):
+        ...     rad = Radial.of(np.array([40.0, 100.0, 300.0]), np.eye(2))  # two bins, each seen alone
+        >>> data = Data(D=np.zeros((1, 2, 2)), t=np.zeros((1, 2)), yy=np.array(0.0),
+        ...             log_norm=np.array(0.0), grid=grid_for(1, 1, 1))
+        >>> theta = np.array([0.0, 0, 0, 0, -5, 0, 0, np.log(1e-3), 0, 0])  # bins nearly independent
+        >>> sky, info = nonnegative(np.array([[1.0, -0.5]]), theta, data, rad)
+        >>> np.round(sky, 6), info["cells"]  # no data: the prior's metric, nearly diagonal
+        (array([[1., 0.]]), 1)
+    """
+    from scipy.optimize import nnls
+
+    t0 = time.perf_counter()
+    n_lat, n_bins = data.grid.size, rad.V.shape[0]
+    if data.grid.factor != 1:
+        raise ValueError(f"nonnegative holds every pixel: the latent grid is coarsened {data.grid.factor}-fold")
+    if mean.shape != (n_lat, n_bins):
+        raise ValueError(f"mean: expected the latent grid's (n_lat, n_bins) = ({n_lat}, {n_bins}), got {mean.shape}")
+    with jax.enable_x64(True), jax.default_device(host()):
+        S = np.asarray(prior_of(jnp.asarray(theta, jnp.float64), rad, data.grid).variance)
+    w, E = np.linalg.eigh(0.5 * (S + S.T))
+    S_inv = (E / np.maximum(w, 1e-12 * w.max())) @ E.T  # (a direction the prior rounds to zero: pinned)
+    V = np.asarray(rad.V, np.float64)
+    out = np.array(mean, copy=True)
+    moved = np.flatnonzero(np.any(mean < 0, axis=1))
+    for p in moved:
+        Q = S_inv + V @ np.asarray(data.D[p], np.float64) @ V.T
+        R = np.linalg.cholesky(0.5 * (Q + Q.T)).T
+        m = np.asarray(mean[p], np.float64)
+        out[p] = nnls(R, R @ m, maxiter=50 * n_bins)[0]
+    return out, {"pixels": int(moved.size), "cells": int(np.sum(mean < 0)), "seconds": time.perf_counter() - t0}
+
+
 # -- the whole reconstruction ---------------------------------------------------------------------
 
 

@@ -17,7 +17,8 @@ nothing else. Standard response: a 3-D Gaussian-field prior whose hyperparameter
 the catalog by the evidence (``field3d.py``, :func:`reconstruct_standard`), then, where the whole sky
 fits (``--prior auto``, the default; ``lognormal.MAX_CELLS``), a positive field on those
 hyperparameters (``lognormal.py``): its mode is the map, with linearised Laplace errors, where that
-mode is reached and fits the lines no worse than the Gaussian field's map (:func:`_with_prior`). Seed response: the
+mode is reached and fits the lines no worse than the Gaussian field's map (:func:`_with_prior`); a
+Gaussian map kept there is made a density (``field3d.nonnegative``, :func:`_as_density`). Seed response: the
 radial-shape prior's hyperparameters (radial profile level and shape, plane-of-sky field sd,
 correlation length and spectral slope) are learned by type-II maximum likelihood (``learn.py``).
 The posterior mean (the log-normal prior's: its mode) and samples are solved, and
@@ -448,7 +449,8 @@ def reconstruct_standard(
     of ``lognormal.py`` on the same learned hyperparameters and statistics (its mode, with linearised
     Laplace errors), which holds the whole sky (every pixel, at most ``lognormal.MAX_CELLS`` cells);
     ``"auto"``: the log-normal one where it fits, its mode is reached and it fits the lines no worse
-    than the Gaussian map (:func:`_with_prior`), else the Gaussian one."""
+    than the Gaussian map (:func:`_with_prior`), else the Gaussian one, its map made a density where the
+    whole sky is held (:func:`_as_density`)."""
     if prior not in PRIORS:
         raise ValueError(f"prior must be one of {PRIORS}, got {prior!r}")
     t0 = time.perf_counter()
@@ -456,6 +458,8 @@ def reconstruct_standard(
     kept: dict = {}
     r = field3d.reconstruct(cat, "standard", samples=max(samples, 2), chunk=chunk, layout=layout, log=log, keep=kept)
     r = _with_prior(r, kept, prior, samples, cat.n_los)
+    if r["prior"]["name"] == "gaussian":
+        r = _as_density(r, kept)
     summ["prior"] = r["prior"]
     summ["radial_basis"] = r["basis"]
     summ["hyperparameters"] = r["hyper"]
@@ -486,6 +490,30 @@ def reconstruct_standard(
 
 
 PRIORS = lognormal.PRIORS
+
+
+def _as_density(r: dict, kept: dict) -> dict:
+    """The Gaussian field's result ``r`` with its map made a density (``field3d.nonnegative``: in each
+    pixel where the posterior mean dips below zero, the non-negative sky nearest to it in the pixel's
+    posterior metric) and its columns those of that map, where the whole sky is held
+    (``lognormal.unfit``: every pixel, at most ``lognormal.MAX_CELLS`` cells); beyond, ``r`` as it is
+    (``summary.json``'s ``negative_density`` and its warning say how negative). ``r["prior"]["nonnegative"]``
+    records which."""
+    data, rad = kept["data"], kept["rad"]
+    if lognormal.unfit(data.grid, rad.r.shape[0]) is not None:
+        why = (
+            "the posterior mean as it is: made a density only where every pixel and at most "
+            f"{lognormal.MAX_CELLS} cells are held"
+        )
+        return r | {"prior": r["prior"] | {"nonnegative": why}}
+    sky, info = field3d.nonnegative(r["mean"], kept["theta"], data, rad)
+    if info["pixels"]:
+        log(
+            f"the map made a density: {info['cells']} negative cells in {info['pixels']} pixels, each pixel the "
+            f"non-negative sky nearest the posterior mean in its posterior metric ({info['seconds']:.1f}s)"
+        )
+    cols = np.asarray(sky, np.float64) @ np.asarray(kept["functionals"], np.float64).T
+    return r | {"mean": sky, "column": cols[:, 0], "wcolumn": cols[:, 1], "prior": r["prior"] | {"nonnegative": info}}
 
 
 def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> dict:
