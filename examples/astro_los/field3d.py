@@ -50,6 +50,11 @@ follows per component as ``Sigma_r V C^-1 u`` (``Sigma_r0 V C0^-1 u`` for the sk
 the prior's variance left unseen, ``diag(Sigma_r - Sigma_r V C^-1 V^T Sigma_r)`` and its sky-wide
 twin, added to every sample's spread.
 
+The posterior mean is a Gaussian field's and may dip below zero (behind a dense layer, in front of
+it where the density is small). Where the whole sky is held, the map reported is made a density
+(:func:`nonnegative`): per pixel, the non-negative sky nearest the mean in that pixel's posterior
+metric, which moves mass along the line where the lines do not see it and keeps their fit.
+
 The latent plane-of-sky grid is the catalog's, coarsened (blocks of ``factor x factor`` pixels
 sharing one value) only where the posterior's solves would need more than ``POSTERIOR_BYTES``
 (:func:`posterior_bytes`) and the hyperparameters' fit more than ``MAX_LEARN`` pixels (the users'
@@ -1206,8 +1211,9 @@ def nonnegative(mean: np.ndarray, theta: Any, data: Data, rad: Radial) -> tuple[
     V = np.asarray(rad.V, np.float64)
     out = np.array(mean, copy=True)
     moved = np.flatnonzero(np.any(mean < 0, axis=1))
-    for p in moved:
-        Q = S_inv + V @ np.asarray(data.D[p], np.float64) @ V.T
+    D = np.asarray(jnp.asarray(data.D)[moved], np.float64)  # (one gather: the statistics may sit on a device)
+    for p, Dp in zip(moved, D):
+        Q = S_inv + V @ Dp @ V.T
         R = np.linalg.cholesky(0.5 * (Q + Q.T)).T
         m = np.asarray(mean[p], np.float64)
         out[p] = nnls(R, R @ m, maxiter=50 * n_bins)[0]
