@@ -1212,14 +1212,15 @@ def nonnegative(mean: np.ndarray, theta: Any, data: Data, rad: Radial) -> tuple[
     S_inv = (E / np.maximum(w, 1e-12 * w.max())) @ E.T  # (a direction the prior rounds to zero: pinned)
     V = np.asarray(rad.V, np.float64)
     out = np.array(mean, copy=True)
-    moved = np.flatnonzero(np.any(mean < 0, axis=1))
+    below = mean < 0
+    moved = np.flatnonzero(np.any(below, axis=1))
     D = np.asarray(jnp.asarray(data.D)[moved], np.float64)  # (one gather: the statistics may sit on a device)
     for p, Dp in zip(moved, D):
         Q = S_inv + V @ Dp @ V.T
         R = np.linalg.cholesky(0.5 * (Q + Q.T)).T
         m = np.asarray(mean[p], np.float64)
         out[p] = nnls(R, R @ m, maxiter=50 * n_bins)[0]
-    return out, {"pixels": int(moved.size), "cells": int(np.sum(mean < 0)), "seconds": time.perf_counter() - t0}
+    return out, {"pixels": int(moved.size), "cells": int(np.sum(below)), "seconds": time.perf_counter() - t0}
 
 
 # -- the whole reconstruction ---------------------------------------------------------------------

@@ -617,12 +617,12 @@ def negative_density(mean: np.ndarray, std: np.ndarray, db: np.ndarray) -> dict:
     """
     db = np.asarray(db, np.float64)
     n = pos = neg = beyond = 0.0
-    for i in range(0, mean.shape[0], 65536):
-        m = np.asarray(mean[i : i + 65536], np.float64)
+    for sl in field3d.blocks(mean.shape[0], 1 << 16):
+        m = np.asarray(mean[sl], np.float64)
         n += float(np.sum(m < 0))
         pos += float(np.sum(np.maximum(m, 0) @ db))
         neg -= float(np.sum(np.minimum(m, 0) @ db))
-        beyond += float(np.sum(m + 2 * np.asarray(std[i : i + 65536], np.float64) < 0))
+        beyond += float(np.sum(m + 2 * np.asarray(std[sl], np.float64) < 0))
     cells = mean.shape[0] * mean.shape[1]
     return {"cells": n / cells, "mass": neg / max(pos, 1e-300), "beyond_2sd": beyond / cells}
 
