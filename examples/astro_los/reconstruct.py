@@ -806,9 +806,9 @@ def evaluate(cat: Catalog, rec: dict, truth_sky: Any) -> dict:
     o_near = np.asarray(oracle, np.float64)[near]
     o_col = max(float(o_near @ db[near]), 1e-300)  # the oracle's column in front of NEAR_PC
     e2, o2, x2, n2 = (np.zeros(cat.n_bins) for _ in range(4))
-    for i in range(0, x.shape[0], 65536):
-        xb = x[i : i + 65536].astype(np.float64)
-        e2 += np.sum((rec["mean"][i : i + 65536] - xb) ** 2, 0)
+    for sl in field3d.blocks(x.shape[0], 1 << 16):
+        xb = x[sl].astype(np.float64)
+        e2 += np.sum((rec["mean"][sl] - xb) ** 2, 0)
         o2 += np.sum((oracle - xb) ** 2, 0)
         x2 += np.sum(xb**2, 0)
         if np.any(near):
