@@ -805,3 +805,51 @@ def test_data_on_adds_its_blocks_in_float64(monkeypatch):
     one_pass, blocks = errors(10**9), errors(256)
     assert one_pass[0] > 1e-6  # (measured 1.1e-5: the setting shows the loss)
     assert blocks[0] < 3e-7 and blocks[1] < 3e-6  # (measured 6.7e-8 and 3.2e-7)
+
+
+def _generator_noise(module, name: str, shapes: list) -> list:
+    """The white noise a family's generator draws first, from its own seed-0 stream."""
+    rng = np.random.default_rng([0, module.FAMILIES.index(name)])
+    return [rng.standard_normal(s) for s in shapes]
+
+
+def test_generator_posterior_models_are_the_generators():
+    # generator_posterior.py (a diagnostic) writes each sky's generator as a function of its white
+    # noise; fed the noise the generator drew, it must give the generator's truth (up to the fields'
+    # sd: realised there, expected here), and another draw must not
+    import families
+    import generator_posterior as gp
+    import hyper_oracle
+    import outside_skies
+
+    edges = families._edges(96)
+    truth = families.family_sky("local_bubble", 64, 48, edges, np.random.default_rng([0, 4]))
+    xi = np.stack([w.reshape(-1) for w in _generator_noise(families, "local_bubble", [(64, 48), (64, 48)])])
+    sky_of, shape = gp.bubble_model(64, 48, edges)
+    assert shape == (2, 64 * 48)
+    db, near = np.diff(edges), np.zeros(96, bool)
+    score = lambda m, t, db: hyper_oracle.ratio(m, t, db, near)[0]
+    assert score(np.asarray(sky_of(jnp.asarray(xi))), truth, db) < 0.06
+    other = np.asarray(sky_of(jnp.asarray(np.roll(xi, 7, axis=1))))  # another draw: far from this truth
+    assert score(other, truth, db) > 0.5
+
+    e2 = outside_skies.DEFAULT_GRID["edges"]
+    rng = np.random.default_rng([0, outside_skies.FAMILIES.index("clustered_stars")])
+    truth = outside_skies.sky_clustered_stars(rng, 64, 48, e2)
+    sky_of, shape = gp.clustered_model(64, 48, e2)
+    (w,) = _generator_noise(outside_skies, "clustered_stars", [shape])
+    assert score(np.asarray(jax.jit(sky_of)(jnp.asarray(w))), truth, np.diff(e2)) < 0.06
+
+
+def test_generator_posterior_reads_the_catalog_on_a_tiny_bubble():
+    # the generator's prior on the tiny local_bubble catalog: the MAP fits the lines and is far
+    # closer to the truth than the prior's mean; a sample is drawn and scored; float32 stays the default
+    import generator_posterior as gp
+
+    r = gp.posterior("local_bubble", samples=1, maxiter=150, size="tiny")
+    assert r["unknowns"] == 2 * 12 * 8
+    assert 0.8 <= r["map"]["chi2_per_line"] <= 1.3
+    assert r["map"]["ratio"] < 0.5 * r["prior_mean_ratio"]
+    assert len(r["sample_ratios"]) == 1 and r["sample_mean"]["ratio"] == r["sample_ratios"][0]
+    assert r["sample_ratios"][0] < r["prior_mean_ratio"]
+    assert jnp.zeros(1).dtype == jnp.float32
