@@ -832,6 +832,19 @@ def test_generator_posterior_models_are_the_generators():
     assert score(np.asarray(sky_of(jnp.asarray(xi))), truth, db) < 0.06
     other = np.asarray(sky_of(jnp.asarray(np.roll(xi, 7, axis=1))))  # another draw: far from this truth
     assert score(other, truth, db) > 0.5
+    # the ablations: the wall at its median ignores the wall's noise; a white wall moves one pixel alone
+    fixed, _ = gp.bubble_model(64, 48, edges, wall="fixed")
+    np.testing.assert_array_equal(fixed(jnp.asarray(xi)), fixed(jnp.asarray(xi * [[1.0], [0.0]])))
+    white, _ = gp.bubble_model(64, 48, edges, wall="white")
+    kick = np.zeros_like(xi)
+    kick[1, 100] = 1.0
+    change = np.abs(np.asarray(white(jnp.asarray(xi + kick))) - np.asarray(white(jnp.asarray(xi))))
+    moved = np.max(change, axis=1) > 1e-3 * change.max()  # (beyond the FFT's rounding)
+    assert np.flatnonzero(moved).tolist() == [100]
+    with pytest.raises(ValueError, match="wall must be one of"):
+        gp.bubble_model(64, 48, edges, wall="smooth")
+    with pytest.raises(ValueError, match="wall applies to local_bubble only"):
+        gp.posterior("clustered_stars", samples=0, maxiter=1, wall="white")
 
     e2 = outside_skies.DEFAULT_GRID["edges"]
     rng = np.random.default_rng([0, outside_skies.FAMILIES.index("clustered_stars")])

@@ -1,7 +1,7 @@
 """What can any map get from a catalog? The truth's own generator as the prior, its posterior sampled.
 
     python examples/astro_los/generator_posterior.py [--family local_bubble clustered_stars] [--samples 8]
-        [--out FILE]
+        [--maxiter N] [--dtype float64|float32] [--no-map] [--wall field|fixed|white] [--out FILE]
 
 A diagnostic, never part of a reconstruction. ``hyper_oracle.py`` asks how well the example's prior
 could do with its hyperparameters tuned on the truth; this asks what the catalog holds: it
@@ -67,21 +67,32 @@ def _powerlaw_filter(nx: int, ny: int, knee: float, slope: float) -> np.ndarray:
     return amp / np.sqrt(np.mean(amp**2))
 
 
-def bubble_model(nx: int, ny: int, edges: np.ndarray):
-    """``local_bubble``'s generator as a function of its white noise ``(2, nx * ny)``: ``(n_pix, n_bins)``."""
+#: ``local_bubble``'s wall in :func:`bubble_model`: the generator's (a smooth field over the sky), at its
+#: median everywhere, or free in each pixel (the same sd, no plane-of-sky correlation): what each piece
+#: of the generator's knowledge is worth
+WALLS = ("field", "fixed", "white")
+
+
+def bubble_model(nx: int, ny: int, edges: np.ndarray, wall: str = "field"):
+    """``local_bubble``'s generator as a function of its white noise ``(2, nx * ny)``: ``(n_pix, n_bins)``.
+
+    ``wall``: one of :data:`WALLS`; ``"fixed"`` ignores the second row of the noise."""
+    if wall not in WALLS:
+        raise ValueError(f"wall must be one of {WALLS}, got {wall!r}")
     r = jnp.asarray(np.sqrt(edges[:-1] * edges[1:]))
     fg = jnp.asarray(_powerlaw_filter(nx, ny, 0.04, 1.8))
-    fw = jnp.asarray(_powerlaw_filter(nx, ny, 0.05, 2.0))
+    fw = jnp.ones((nx, ny)) if wall == "white" else jnp.asarray(_powerlaw_filter(nx, ny, 0.05, 2.0))
 
     def field(xi, filt):
         return jnp.fft.ifft2(jnp.fft.fft2(xi.reshape(nx, ny)) * filt).real.reshape(-1)
 
     def sky(xi):
         g = 0.3 * field(xi[0], fg)
-        wall = 90.0 * jnp.exp(0.25 * field(xi[1], fw))[:, None]
+        shift = jnp.zeros(nx * ny) if wall == "fixed" else 0.25 * field(xi[1], fw)
+        at = 90.0 * jnp.exp(shift)[:, None]
         width = 8.0
-        inside = 0.03 + 0.97 / (1.0 + jnp.exp(-(r - wall) / width))
-        shell = 1.0 + 3.0 * jnp.exp(-0.5 * ((r - wall - 15.0 * width / 8.0) / (1.5 * width)) ** 2)
+        inside = 0.03 + 0.97 / (1.0 + jnp.exp(-(r - at) / width))
+        shell = 1.0 + 3.0 * jnp.exp(-0.5 * ((r - at - 15.0 * width / 8.0) / (1.5 * width)) ** 2)
         return inside * shell * jnp.exp(-r / 600.0)[None, :] * jnp.exp(g)[:, None]
 
     return sky, (2, nx * ny)
@@ -138,6 +149,7 @@ def posterior(
     size: str = "default",
     dtype: str = "float64",
     with_map: bool = True,
+    wall: str = "field",
 ) -> dict:
     """The MAP and ``samples`` randomize-then-optimize samples of ``name``'s generator posterior.
 
@@ -150,6 +162,7 @@ def posterior(
         dtype: ``"float64"`` (on the CPU) or ``"float32"`` (an accelerator's FFTs).
         with_map: find the MAP first and start each sample there; without, the samples start at
             the prior's mean and ``"map"`` is the prior's mean.
+        wall: ``local_bubble``'s wall, one of :data:`WALLS` (:func:`bubble_model`).
 
     Returns:
         ``{"unknowns", "map": {"ratio", "chi2_per_line", "iterations", "seconds", "converged"},
@@ -161,17 +174,25 @@ def posterior(
         >>> r["map"]["ratio"] < r["prior_mean_ratio"]  # doctest: +SKIP
         True
     """
+    if name not in FAMILIES:
+        raise ValueError(f"name must be one of {FAMILIES}, got {name!r}")
     with tempfile.TemporaryDirectory() as tmp:
         cat_path, truth_path = write_catalog(name, tmp, size)
         cat = load_catalog(cat_path)
         truth = np.load(truth_path)["sky"].astype(np.float64)
     with jax.enable_x64(dtype == "float64"):
-        return _posterior(name, cat, truth, samples, maxiter, seed, jnp.dtype(dtype), with_map)
+        return _posterior(name, cat, truth, samples, maxiter, seed, jnp.dtype(dtype), with_map, wall)
 
 
-def _posterior(name: str, cat, truth: np.ndarray, samples: int, maxiter: int, seed: int, dtype, with_map: bool) -> dict:
-    make = bubble_model if name == "local_bubble" else clustered_model
-    sky_of, shape = make(cat.nx, cat.ny, cat.edges)
+def _posterior(
+    name: str, cat, truth: np.ndarray, samples: int, maxiter: int, seed: int, dtype, with_map: bool, wall: str
+) -> dict:
+    if name == "local_bubble":
+        sky_of, shape = bubble_model(cat.nx, cat.ny, cat.edges, wall)
+    elif wall != "field":
+        raise ValueError(f"wall applies to local_bubble only, got wall={wall!r} for {name!r}")
+    else:
+        sky_of, shape = clustered_model(cat.nx, cat.ny, cat.edges)
     A = los.make_los_operator(
         cat.pix,
         cat.d,
@@ -239,6 +260,7 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--maxiter", type=int, default=3000)
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="float32 on a TPU")
+    p.add_argument("--wall", default="field", choices=WALLS, help="local_bubble's wall (bubble_model)")
     p.add_argument("--no-map", action="store_true", help="the samples alone, each from the prior's mean")
     p.add_argument("--size", default="default", choices=sorted(families.GRIDS), help="local_bubble's grid")
     p.add_argument("--out", default="outputs/generator_posterior.json")
@@ -249,6 +271,7 @@ def main(argv: list | None = None) -> dict:
         "maxiter": a.maxiter,
         "size": a.size,
         "dtype": a.dtype,
+        "wall": a.wall,
         "device": str(jax.devices()[0]),
         "families": {},
     }
