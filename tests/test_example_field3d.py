@@ -846,6 +846,12 @@ def test_generator_posterior_models_are_the_generators():
     with pytest.raises(ValueError, match="wall applies to local_bubble only"):
         gp.posterior("clustered_stars", samples=0, maxiter=1, wall="white")
 
+    truth = families.family_sky("lognormal_3d", 64, 48, edges, np.random.default_rng([0, 7]))
+    sky_of, shape = gp.lognormal3d_model(64, 48, edges)
+    xi = np.stack([w.reshape(-1) for w in _generator_noise(families, "lognormal_3d", [(64, 48)] * 96)])
+    assert shape == xi.shape == (96, 64 * 48)
+    assert score(np.asarray(sky_of(jnp.asarray(xi))), truth, db) < 0.08
+
     e2 = outside_skies.DEFAULT_GRID["edges"]
     rng = np.random.default_rng([0, outside_skies.FAMILIES.index("clustered_stars")])
     truth = outside_skies.sky_clustered_stars(rng, 64, 48, e2)
