@@ -872,3 +872,16 @@ def test_generator_posterior_reads_the_catalog_on_a_tiny_bubble():
     assert len(r["sample_ratios"]) == 1 and r["sample_mean"]["ratio"] == r["sample_ratios"][0]
     assert r["sample_ratios"][0] < r["prior_mean_ratio"]
     assert jnp.zeros(1).dtype == jnp.float32
+
+
+def test_generator_posterior_cli_passes_each_option(tmp_path):
+    # the CLI's record is posterior()'s with the same options (--wall reached it only after a fix)
+    import generator_posterior as gp
+
+    out = tmp_path / "gp.json"
+    args = ["--family", "local_bubble", "--size", "tiny", "--samples", "0", "--maxiter", "20", "--out", str(out)]
+    rec = gp.main([*args, "--wall", "fixed"])
+    assert json.loads(out.read_text())["wall"] == "fixed"
+    fixed = gp.posterior("local_bubble", samples=0, maxiter=20, size="tiny", wall="fixed")
+    field = gp.posterior("local_bubble", samples=0, maxiter=20, size="tiny")
+    assert rec["families"]["local_bubble"]["map"]["ratio"] == fixed["map"]["ratio"] != field["map"]["ratio"]

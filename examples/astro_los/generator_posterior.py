@@ -296,7 +296,13 @@ def main(argv: list | None = None) -> dict:
     for name in a.family:
         t0 = time.time()
         res["families"][name] = posterior(
-            name, a.samples, a.maxiter, size=a.size, dtype=a.dtype, with_map=not a.no_map
+            name,
+            a.samples,
+            a.maxiter,
+            size=a.size,
+            dtype=a.dtype,
+            with_map=not a.no_map,
+            wall=a.wall if name == "local_bubble" else "field",
         ) | {"seconds": time.time() - t0}
     res["load_after"] = os.getloadavg()
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
