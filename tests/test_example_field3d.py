@@ -843,8 +843,10 @@ def test_generator_posterior_models_are_the_generators():
     assert np.flatnonzero(moved).tolist() == [100]
     with pytest.raises(ValueError, match="wall must be one of"):
         gp.bubble_model(64, 48, edges, wall="smooth")
-    with pytest.raises(ValueError, match="wall applies to local_bubble only"):
+    with pytest.raises(ValueError, match="wall applies to local_bubble only"):  # (before any catalog is written)
         gp.posterior("clustered_stars", samples=0, maxiter=1, wall="white")
+    with pytest.raises(ValueError, match="name must be one of"):
+        gp.posterior("far_ring", samples=0, maxiter=1)
 
     truth = families.family_sky("lognormal_3d", 64, 48, edges, np.random.default_rng([0, 7]))
     sky_of, shape = gp.lognormal3d_model(64, 48, edges)

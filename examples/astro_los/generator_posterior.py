@@ -183,8 +183,10 @@ def posterior(
 
     Returns:
         ``{"unknowns", "map": {"ratio", "chi2_per_line", "iterations", "seconds", "converged"},
-        "prior_mean_ratio"}``, and with samples ``"sample_mean"`` and ``"sample_ratios"``; a ratio is
-        ``hyper_oracle.ratio``'s.
+        "prior_mean_ratio", "map_near_share"}``, and with samples ``"sample_mean"`` and
+        ``"sample_ratios"``; a ratio is ``hyper_oracle.ratio``'s (``"prior_mean_ratio"``: the sky of
+        zero noise, the prior's mean in the noise), ``"map_near_share"`` the MAP's share of error in
+        front of ``reconstruct.NEAR_PC``.
 
     Example:
         >>> r = posterior("local_bubble", samples=0, maxiter=50, size="tiny")  # doctest: +SKIP
@@ -193,6 +195,10 @@ def posterior(
     """
     if name not in FAMILIES:
         raise ValueError(f"name must be one of {FAMILIES}, got {name!r}")
+    if wall not in WALLS:
+        raise ValueError(f"wall must be one of {WALLS}, got {wall!r}")
+    if wall != "field" and name != "local_bubble":
+        raise ValueError(f"wall applies to local_bubble only, got wall={wall!r} for {name!r}")
     with tempfile.TemporaryDirectory() as tmp:
         cat_path, truth_path = write_catalog(name, tmp, size)
         cat = load_catalog(cat_path)
@@ -206,8 +212,6 @@ def _posterior(
 ) -> dict:
     if name == "local_bubble":
         sky_of, shape = bubble_model(cat.nx, cat.ny, cat.edges, wall)
-    elif wall != "field":
-        raise ValueError(f"wall applies to local_bubble only, got wall={wall!r} for {name!r}")
     else:
         make = lognormal3d_model if name == "lognormal_3d" else clustered_model
         sky_of, shape = make(cat.nx, cat.ny, cat.edges)
