@@ -882,8 +882,15 @@ def test_generator_posterior_cli_passes_each_option(tmp_path):
 
     out = tmp_path / "gp.json"
     args = ["--family", "local_bubble", "--size", "tiny", "--samples", "0", "--maxiter", "20", "--out", str(out)]
-    rec = gp.main([*args, "--wall", "fixed"])
-    assert json.loads(out.read_text())["wall"] == "fixed"
+    rec = gp.main([*args, "--wall", "fixed", "--seed", "3"])
+    assert json.loads(out.read_text())["wall"] == "fixed" and rec["seed"] == 3
     fixed = gp.posterior("local_bubble", samples=0, maxiter=20, size="tiny", wall="fixed")
     field = gp.posterior("local_bubble", samples=0, maxiter=20, size="tiny")
     assert rec["families"]["local_bubble"]["map"]["ratio"] == fixed["map"]["ratio"] != field["map"]["ratio"]
+    args[5] = "1"  # one sample: --seed reaches it
+    rec = gp.main([*args, "--seed", "3"])
+    assert (
+        rec["families"]["local_bubble"]["sample_ratios"]
+        == gp.posterior("local_bubble", samples=1, maxiter=20, size="tiny", seed=3)["sample_ratios"]
+        != gp.posterior("local_bubble", samples=1, maxiter=20, size="tiny", seed=0)["sample_ratios"]
+    )

@@ -1,7 +1,7 @@
 """What can any map get from a catalog? The truth's own generator as the prior, its posterior sampled.
 
-    python examples/astro_los/generator_posterior.py [--family local_bubble clustered_stars] [--samples 8]
-        [--maxiter N] [--dtype float64|float32] [--no-map] [--wall field|fixed|white] [--out FILE]
+    python examples/astro_los/generator_posterior.py [--family NAME ...] [--samples 8]
+        [--maxiter N] [--seed S] [--dtype float64|float32] [--no-map] [--wall field|fixed|white] [--out FILE]
 
 A diagnostic, never part of a reconstruction. ``hyper_oracle.py`` asks how well the example's prior
 could do with its hyperparameters tuned on the truth; this asks what the catalog holds: it
@@ -281,6 +281,7 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--family", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--maxiter", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0, help="the samples' random numbers (the catalog is seed 0's)")
     p.add_argument("--dtype", default="float64", choices=("float64", "float32"), help="float32 on a TPU")
     p.add_argument("--wall", default="field", choices=WALLS, help="local_bubble's wall (bubble_model)")
     p.add_argument("--no-map", action="store_true", help="the samples alone, each from the prior's mean")
@@ -291,6 +292,7 @@ def main(argv: list | None = None) -> dict:
         "load": os.getloadavg(),
         "samples": a.samples,
         "maxiter": a.maxiter,
+        "seed": a.seed,
         "size": a.size,
         "dtype": a.dtype,
         "wall": a.wall,
@@ -303,6 +305,7 @@ def main(argv: list | None = None) -> dict:
             name,
             a.samples,
             a.maxiter,
+            seed=a.seed,
             size=a.size,
             dtype=a.dtype,
             with_map=not a.no_map,
