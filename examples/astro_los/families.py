@@ -69,11 +69,17 @@ def _edges(n_bins: int) -> np.ndarray:
     return np.exp(np.linspace(np.log(40.0), np.log(1700.0), n_bins + 1))
 
 
-def _powerlaw_field(rng, nx: int, ny: int, knee: float, slope: float) -> np.ndarray:
-    """Unit-sd Gaussian field with power ``(knee^2 + k^2)^-slope`` (k in cycles per pixel)."""
+def _powerlaw_amplitude(nx: int, ny: int, knee: float, slope: float) -> np.ndarray:
+    """:func:`_powerlaw_field`'s Fourier amplitude ``(knee^2 + k^2)^(-slope / 2)``, 0 at ``k = 0``."""
     kx, ky = np.fft.fftfreq(nx)[:, None], np.fft.fftfreq(ny)[None, :]
     amp = (knee**2 + kx**2 + ky**2) ** (-slope / 2)
     amp[0, 0] = 0.0
+    return amp
+
+
+def _powerlaw_field(rng, nx: int, ny: int, knee: float, slope: float) -> np.ndarray:
+    """Unit-sd Gaussian field with power ``(knee^2 + k^2)^-slope`` (k in cycles per pixel)."""
+    amp = _powerlaw_amplitude(nx, ny, knee, slope)
     f = np.fft.ifft2(np.fft.fft2(rng.standard_normal((nx, ny))) * amp).real
     return (f / f.std()).reshape(-1)
 
@@ -104,10 +110,11 @@ def base_profile(name: str, r: np.ndarray, scale: float = 1.0) -> np.ndarray:
     raise ValueError(f"unknown family {name!r}; one of {FAMILIES}")
 
 
-def _bubble(r: np.ndarray, wall: np.ndarray, width: float) -> np.ndarray:
-    """``(n_pix, n_bins)``: 3% of the density inside ``wall`` (pc, per pixel), then a dense shell."""
-    inside = 0.03 + 0.97 / (1.0 + np.exp(-(r - wall[:, None]) / width))
-    return inside * (1.0 + 3.0 * np.exp(-0.5 * ((r - wall[:, None] - 15.0 * width / 8.0) / (1.5 * width)) ** 2))
+def _bubble(r: np.ndarray, wall: np.ndarray, width: float, xp=np) -> np.ndarray:
+    """``(n_pix, n_bins)``: 3% of the density inside ``wall`` (pc, per pixel), then a dense shell
+    (``xp``: the array module, ``jax.numpy`` for a differentiable copy)."""
+    inside = 0.03 + 0.97 / (1.0 + xp.exp(-(r - wall[:, None]) / width))
+    return inside * (1.0 + 3.0 * xp.exp(-0.5 * ((r - wall[:, None] - 15.0 * width / 8.0) / (1.5 * width)) ** 2))
 
 
 def reference_profile(kind: str, name: str, truth_sky: np.ndarray, edges: np.ndarray) -> np.ndarray:
@@ -121,6 +128,11 @@ def reference_profile(kind: str, name: str, truth_sky: np.ndarray, edges: np.nda
     if kind == "scale2x":
         return base_profile(name, np.sqrt(edges[:-1] * edges[1:]), 2.0)
     raise ValueError(f"unknown reference {kind!r}; one of {REFERENCES}")
+
+
+def _radial_mixing(r: np.ndarray) -> np.ndarray:
+    """``lognormal_3d``'s mixing along the line: the Cholesky factor of ``exp(-|r - r'| / 100 pc)``."""
+    return np.linalg.cholesky(np.exp(-np.abs(r[:, None] - r[None, :]) / 100.0) + 1e-9 * np.eye(r.size))
 
 
 def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarray:
@@ -165,8 +177,7 @@ def family_sky(name: str, nx: int, ny: int, edges: np.ndarray, rng) -> np.ndarra
         sheet = ((r > 400.0) & (r < 430.0)).astype(float)[None, :]
         sky = base_profile(name, r)[None, :] * np.exp(g)[:, None] * (1.0 + 5.0 * covered * sheet)
     elif name == "lognormal_3d":
-        corr = np.exp(-np.abs(r[:, None] - r[None, :]) / 100.0)
-        Lr = np.linalg.cholesky(corr + 1e-9 * np.eye(r.size))
+        Lr = _radial_mixing(r)
         lateral = np.stack([_powerlaw_field(rng, nx, ny, knee=0.06, slope=1.8) for _ in r], 1)  # (n_pix, n_bins)
         sky = base_profile(name, r)[None, :] * np.exp(0.5 * lateral @ Lr.T)
     else:
