@@ -50,12 +50,6 @@ NEWTON_CG = (1500, 1e-4)  # CG's most steps and relative tolerance (precondition
 NEWTON_CG_BUDGET = 30000  # ... and CG steps in all for the mode (40 capped steps took 16000 at a 400 cap)
 START_SD = 1.0  # the start's pull to the Gaussian map's log (:func:`start`): an sd of one e-fold
 SAMPLE_CG = (800, 1e-3)  # ... and for a sample
-#: mirrored Laplace sample pairs at most (``--samples`` / 2 up to this: 32 samples by default, as the Gaussian
-#: field's). A pair is one draw of each sd's square (its two deviations are +delta and -delta), so with k pairs
-#: an sd has k degrees of freedom and a Gaussian truth lies within 2 of them with probability 0.88 (k = 4, the
-#: cap before session 37), 0.92 (8), 0.94 (16), not 0.95 (Student's t). The tiny catalog's 1/r^2-weighted
-#: columns within 2 sd: 53% with 4 pairs, 62% with 8, 66% with 16 (its columns 85-86% each)
-PAIRS = 16
 
 
 def unfit(grid: field3d.Grid, n_bins: int) -> str | None:
@@ -286,6 +280,13 @@ def posterior(
     caller's), a mode it refuses is returned alone: ``std``, ``fmean`` and ``fstd`` None, no samples drawn.
     With ``start_sky`` (``(n_pix, n_bins)``, e.g. the Gaussian prior's posterior mean) the mode is
     sought from :func:`start` of it, else from the prior's median sky.
+
+    ``pairs`` mirrored pairs of Laplace samples (``2 * pairs`` samples): a pair is one draw of each sd's square (its two
+    deviations are +delta and -delta), so an sd has ``pairs`` degrees of freedom, and a Gaussian truth lies
+    within 2 of them with probability 0.88 at 4 pairs, 0.92 at 8, 0.94 at 16, not 0.95 (Student's t).
+    Until session 37 ``reconstruct.py`` capped them at 4 whatever ``--samples`` asked; the tiny catalog's
+    ``1/r^2``-weighted columns within 2 sd were 53% with 4 pairs, 62% with 8, 66% with 16 (its columns 85-86%
+    each).
 
     Raises:
         ValueError: when the grid is coarsened (blocks of pixels) or the sky has more than

@@ -548,7 +548,7 @@ def _with_prior(r: dict, kept: dict, prior: str, samples: int, n_los: int) -> di
             data,
             kept["rad"],
             kept["functionals"],
-            pairs=min(lognormal.PAIRS, max(1, -(-samples // 2))),
+            pairs=max(1, -(-samples // 2)),  # (--samples, an odd count rounded up to a pair)
             accept=(lambda fit: not poor(fit)) if prior == "auto" else None,
             start_sky=r["mean"],
         )
